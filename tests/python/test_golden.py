@@ -1,0 +1,144 @@
+"""Golden test of Kestrel's CPU reference forward pass against the independent NumPy model (golden_numpy.py).
+
+For each architecture: `kestrel make-model --preset tiny`, then `kestrel generate` with --dump-logits, and the
+dumped logits of every fed position are compared with a float64 causal prefill of the same tokens.
+
+Bounds:
+- REL_TOL: ||kestrel - golden|| / ||golden|| over all positions. Kestrel computes in fp32, the golden model in
+  fp64 with the same exact FP8 steps; fp32 rounding through a few tiny layers gives errors around 1e-6, so
+  1e-4 leaves room for accumulation-order differences while a wrong formula (a missing scale, a wrong RoPE
+  layout, one wrong top-k selection) gives errors far above it.
+- Greedy tokens must equal the golden argmax wherever the golden top-1/top-2 margin exceeds MARGIN.
+
+Set KESTREL_BIN to the kestrel binary; the default is build/src/kestrel under the repository root.
+"""
+
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import golden_numpy
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHS = ["kimi_k3", "kimi_linear", "deepseek_v32"]
+REL_TOL = 1e-4
+MARGIN = 1e-3
+MAX_TOKENS = 8
+SPARSE_PROMPT_LEN = 40
+
+
+def _kestrel_bin() -> str:
+    path = os.environ.get("KESTREL_BIN")
+    if path:
+        if not os.access(path, os.X_OK):
+            pytest.fail(f"KESTREL_BIN={path} is not an executable")
+        return path
+    default = REPO / "build" / "src" / "kestrel"
+    if not os.access(default, os.X_OK):
+        pytest.skip(f"no kestrel binary at {default} (build it or set KESTREL_BIN)")
+    return str(default)
+
+
+def _run(cmd):
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        pytest.fail(f"command failed ({res.returncode}): {' '.join(cmd)}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch -> (checkpoint dir, golden Model); checkpoints made once per module."""
+    binary = _kestrel_bin()
+    root = tmp_path_factory.mktemp("golden")
+    out = {}
+    for arch in ARCHS:
+        ckpt = root / arch
+        _run([binary, "make-model", "--arch", arch, "--preset", "tiny", "--out", str(ckpt), "--seed", "1"])
+        out[arch] = (ckpt, golden_numpy.load_model(str(ckpt)))
+    return out
+
+
+def _generate(ckpt: Path, prompt, tmp: Path):
+    binary = _kestrel_bin()
+    logits_path, json_path = tmp / "l.npy", tmp / "o.json"
+    _run([binary, "generate", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)),
+          "--max-tokens", str(MAX_TOKENS), "--dump-logits", str(logits_path), "--output-json", str(json_path)])
+    with open(json_path) as f:
+        result = json.load(f)
+    return np.load(logits_path), result
+
+
+def _report(kestrel, golden, fed, n_prompt):
+    per_pos_abs = np.max(np.abs(kestrel - golden), axis=1)
+    per_pos_rel = np.linalg.norm(kestrel - golden, axis=1) / np.linalg.norm(golden, axis=1)
+    bad = np.nonzero(per_pos_rel > REL_TOL)[0]
+    lines = [f"positions fed: {len(fed)} (prompt {n_prompt}); first position over REL_TOL: "
+             f"{bad[0] if bad.size else 'none'}",
+             "pos  token  max|abs err|  rel err   kestrel-argmax golden-argmax"]
+    for p in range(len(fed)):
+        lines.append(f"{p:3d} {fed[p]:6d}  {per_pos_abs[p]:11.3e}  {per_pos_rel[p]:9.2e}  "
+                     f"{int(np.argmax(kestrel[p])):6d} {int(np.argmax(golden[p])):6d}")
+    return "\n".join(lines)
+
+
+def _prompt_len(cfg, regime):
+    if regime == "sparse":
+        n = SPARSE_PROMPT_LEN
+        if cfg.has_indexer:
+            n = max(n, 2 * cfg.index_topk + 8)
+        return n
+    # dense: every fed position (prompt plus MAX_TOKENS - 1 generated) stays below index_topk
+    limit = cfg.index_topk if cfg.has_indexer else 16
+    return max(1, limit - MAX_TOKENS)
+
+
+@pytest.mark.parametrize("regime", ["sparse", "dense"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kestrel_matches_golden(models, arch, regime, tmp_path):
+    ckpt, model = models[arch]
+    cfg = model.cfg
+    assert cfg.arch == arch
+    rng = np.random.default_rng(1000 + ARCHS.index(arch) * 10 + (regime == "dense"))
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab, size=_prompt_len(cfg, regime))]
+
+    kestrel, result = _generate(ckpt, prompt, tmp_path)
+    assert result["prompt_ids"] == prompt
+    output = [int(t) for t in result["output_ids"]]
+    assert 1 <= len(output) <= MAX_TOKENS
+    fed = prompt + output[:-1]
+    assert kestrel.dtype == np.float32
+    assert kestrel.shape == (len(fed), cfg.vocab), f"dumped logits shape {kestrel.shape}"
+    if cfg.has_indexer and regime == "dense":
+        assert len(fed) <= cfg.index_topk
+    if cfg.has_indexer and regime == "sparse":
+        assert len(fed) > cfg.index_topk
+
+    golden = model.forward(fed)
+    rel = np.linalg.norm(kestrel - golden) / np.linalg.norm(golden)
+    print(f"{arch} {regime}: relative error {rel:.3e} over {len(fed)} positions")
+    assert rel <= REL_TOL, f"{arch} {regime}: relative error {rel:.3e} > {REL_TOL}\n" + _report(
+        kestrel, golden, fed, len(prompt))
+
+    n_prompt = len(prompt)
+    for i, tok in enumerate(output):
+        row = golden[n_prompt - 1 + i]
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] > MARGIN:
+            assert tok == int(np.argmax(row)), (
+                f"{arch} {regime}: generated token {i} is {tok}, golden argmax {int(np.argmax(row))} "
+                f"(margin {top2[1] - top2[0]:.3e})\n" + _report(kestrel, golden, fed, n_prompt))
+
+    if cfg.has_indexer and regime == "sparse":
+        # The comparison only tests the sparse selection if attending to everything would give other logits.
+        dense_model = copy.copy(model)
+        dense_model.cfg = copy.copy(cfg)
+        dense_model.cfg.index_topk = len(fed)
+        dense = dense_model.forward(fed)
+        gap = np.linalg.norm(dense - golden) / np.linalg.norm(golden)
+        assert gap > 10 * REL_TOL, f"{arch}: sparse and dense attention differ only by {gap:.2e}"
