@@ -48,14 +48,6 @@ uint32_t round_magnitude_to_minifloat(uint32_t abs_bits, int mant_bits, int bias
   return (static_cast<uint32_t>(exponent + bias - 1) << mant_bits) + quanta;
 }
 
-// floor(log2(a)) of a finite a > 0, from the exponent field (and, for subnormals, the top mantissa bit).
-int floor_log2(float a) {
-  const uint32_t bits = std::bit_cast<uint32_t>(a);
-  const int exp_field = static_cast<int>(bits >> kF32MantBits);
-  if (exp_field != 0) return exp_field - kF32Bias;
-  return static_cast<int>(std::bit_width(bits & kF32MantMask)) - 1 + (1 - kF32Bias - kF32MantBits);
-}
-
 }  // namespace
 
 uint16_t f32_to_bf16(float x) {
@@ -126,6 +118,106 @@ float round_up_pow2(float s) {
   if ((bits & kF32MantMask) == 0) return s;
   KESTREL_CHECK(exp_field < 254, "round_up_pow2({}): the next power of two, 2^128, is not a finite fp32", s);
   return std::bit_cast<float>((exp_field + 1) << kF32MantBits);
+}
+
+
+namespace {
+
+constexpr float kFp8AmaxFloor = 1e-4f;
+constexpr float kInvE4m3Max = 1.0f / kE4m3Max;  // rounded to fp32 once, then multiplied, as DeepSeek's kernel does
+constexpr int kMxfp4Block = 32;
+constexpr int kNvfp4Block = 16;
+constexpr int kE2m1Emax = 2;  // 6 = 1.5 * 2^2
+
+float finite_abs_max(const float* x, int64_t n, const char* what) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    KESTREL_CHECK(std::isfinite(x[i]), "{}: value {} at index {} is not finite", what, x[i], i);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  return amax;
+}
+
+void put_nibble(uint8_t* packed, int64_t i, uint8_t code) {
+  if (i % 2 == 0) {
+    packed[i / 2] = code;
+  } else {
+    packed[i / 2] |= static_cast<uint8_t>(code << 4);
+  }
+}
+
+uint8_t get_nibble(const uint8_t* packed, int64_t i) {
+  return static_cast<uint8_t>(i % 2 == 0 ? packed[i / 2] & 0xF : packed[i / 2] >> 4);
+}
+
+}  // namespace
+
+float quantize_fp8_ue8m0(const float* x, int n, uint8_t* codes) {
+  KESTREL_CHECK(n >= 0, "quantize_fp8_ue8m0: negative length {}", n);
+  const float amax = std::max(finite_abs_max(x, n, "quantize_fp8_ue8m0"), kFp8AmaxFloor);
+  const float s = round_up_pow2(amax * kInvE4m3Max);
+  // No explicit clamp to +-448: f32_to_e4m3 saturates there, which is the same clamp. s is a power of two, so
+  // x / s is exact.
+  for (int i = 0; i < n; ++i) codes[i] = f32_to_e4m3(x[i] / s);
+  return s;
+}
+
+void dequantize_fp8(const uint8_t* codes, int n, float s, float* out) {
+  KESTREL_CHECK(n >= 0, "dequantize_fp8: negative length {}", n);
+  for (int i = 0; i < n; ++i) out[i] = e4m3_to_f32(codes[i]) * s;
+}
+
+void mxfp4_encode(const float* x, int64_t n, uint8_t* packed, uint8_t* scales) {
+  KESTREL_CHECK(n >= 0 && n % kMxfp4Block == 0, "mxfp4_encode: length {} is not a multiple of {}", n, kMxfp4Block);
+  for (int64_t b = 0; b < n / kMxfp4Block; ++b) {
+    const float* block = x + b * kMxfp4Block;
+    const float amax = finite_abs_max(block, kMxfp4Block, "mxfp4_encode");
+    // floor(log2(amax)) from the exponent field. A zero or subnormal amax reads as -127 rather than lower, which
+    // the clamp hides: such blocks get exponent -127 either way, zero blocks included as the OCP rule asks. The
+    // upper clamp never binds for a finite amax.
+    const int amax_log2 = static_cast<int>(std::bit_cast<uint32_t>(amax) >> kF32MantBits) - kF32Bias;
+    const int exponent = std::clamp(amax_log2 - kE2m1Emax, -127, 127);
+    scales[b] = static_cast<uint8_t>(exponent + 127);
+    for (int i = 0; i < kMxfp4Block; ++i) {
+      // ldexp is the correctly rounded x / 2^exponent; it only rounds where the result is far below 0.25, which
+      // e2m1 sends to zero either way.
+      put_nibble(packed, b * kMxfp4Block + i, f32_to_e2m1(std::ldexp(block[i], -exponent)));
+    }
+  }
+}
+
+void mxfp4_decode(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out) {
+  KESTREL_CHECK(n >= 0 && n % kMxfp4Block == 0, "mxfp4_decode: length {} is not a multiple of {}", n, kMxfp4Block);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = e2m1_to_f32(get_nibble(packed, i)) * e8m0_to_f32(scales[i / kMxfp4Block]);
+  }
+}
+
+void nvfp4_encode(const float* x, int64_t n, float tensor_scale, uint8_t* packed, uint8_t* scales) {
+  KESTREL_CHECK(n >= 0 && n % kNvfp4Block == 0, "nvfp4_encode: length {} is not a multiple of {}", n, kNvfp4Block);
+  // The largest block scale is 448 * tensor_scale; it must be finite, or zeros would decode as 0 * inf.
+  KESTREL_CHECK(std::isfinite(tensor_scale) && tensor_scale > 0.0f && std::isfinite(kE4m3Max * tensor_scale),
+                "nvfp4_encode: tensor scale must be finite, > 0 and at most FLT_MAX / 448, got {}", tensor_scale);
+  const float block_scale_unit = kE2m1Max * tensor_scale;
+  for (int64_t b = 0; b < n / kNvfp4Block; ++b) {
+    const float* block = x + b * kNvfp4Block;
+    const float amax = finite_abs_max(block, kNvfp4Block, "nvfp4_encode");
+    const uint8_t scale_code = f32_to_e4m3(amax / block_scale_unit);
+    scales[b] = scale_code;
+    const float block_scale = e4m3_to_f32(scale_code) * tensor_scale;
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      const uint8_t code = block_scale == 0.0f ? 0 : f32_to_e2m1(block[i] / block_scale);
+      put_nibble(packed, b * kNvfp4Block + i, code);
+    }
+  }
+}
+
+void nvfp4_decode(const uint8_t* packed, const uint8_t* scales, int64_t n, float tensor_scale, float* out) {
+  KESTREL_CHECK(n >= 0 && n % kNvfp4Block == 0, "nvfp4_decode: length {} is not a multiple of {}", n, kNvfp4Block);
+  for (int64_t i = 0; i < n; ++i) {
+    const float block_scale = e4m3_to_f32(scales[i / kNvfp4Block]) * tensor_scale;
+    out[i] = e2m1_to_f32(get_nibble(packed, i)) * block_scale;
+  }
 }
 
 }  // namespace kestrel
