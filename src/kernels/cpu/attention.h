@@ -35,6 +35,10 @@ void rope_neox(float* x, int64_t n_vec, int64_t stride, int dim, int64_t pos, co
 // rows 0..n_kv-1. Scores s = (q_abs . row) * scale, softmax over the attended rows (max-subtracted, fp32),
 // out[h] = sum_t p_t c_t : [H, C]. lse[h] = max + log(sum exp(s - max)), natural log.
 // No valid row: out = 0 and lse = -inf (never NaN). Rows are visited in the order given.
+// The result depends on the order of idx through fp32 rounding: the fixed-order sums (cpu::sum/cpu::dot) run
+// over the attended rows in visiting order, so a permuted idx agrees only to rounding (~1e-6 relative), and idx
+// holding every row 0..n_kv-1 in ascending order (invalid entries anywhere) gives bit for bit the idx == nullptr
+// result. A row listed twice counts twice.
 void mla_attend_absorbed(const float* q_abs, int H, int C, int R, const float* kv, int64_t n_kv,
                          const int32_t* idx, int64_t n_idx, float scale, float* out, float* lse);
 
@@ -59,6 +63,7 @@ void hadamard_inplace(float* x, int n);
 // dot_j,s is computed exactly (as an integer multiple of 2^-18 in int64; every e4m3 value is a multiple of 2^-9)
 // and rounded to fp32 once; the head sum runs j = 0..Hi-1 in order in fp32; then one multiply by k_scale.
 // w: [Hi] folded weights (weights_proj output * Hi^-1/2 * q_scale_j * D^-1/2). q_codes: [Hi, D]; k_codes: [S, D].
+// A NaN code (0x7F/0xFF) makes that head's dot, and so the score, NaN (which topk_indices never selects).
 void indexer_scores(const uint8_t* q_codes, const float* w, int Hi, int D, const uint8_t* k_codes,
                     const float* k_scale, int64_t S, float* scores);
 
