@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command on a fresh machine: install, build, run every CPU test (ctest), then the Python golden tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh build
+ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 600
+
+python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+KESTREL_BIN="$PWD/build/src/kestrel" .venv/bin/python -m pytest -q tests/python
