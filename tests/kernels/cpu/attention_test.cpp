@@ -65,8 +65,8 @@ TEST(RopeInvFreq, YarnDeepSeekCorrectionDimsAndBlend) {
     EXPECT_LT(f[i], plain[i]) << i;
     EXPECT_GT(f[i], plain[i] / 40.0f) << i;
   }
-  // An intermediate i worked by hand: i = 16, r = 6/13, f_16 = 1e4^-0.5 * (7/13 + 6/520) = 0.0173919...
-  EXPECT_NEAR(f[16], 0.01 * (7.0 / 13.0 + 6.0 / 520.0), 1e-9);
+  // An intermediate i worked by hand: i = 16, r = 6/13, f_16 = 1e4^-0.5 * (7/13 + 6/520) = 0.01 * 286/520 = 0.0055.
+  EXPECT_NEAR(f[16], 0.0055, 1e-9);
 }
 
 TEST(RopeInvFreq, YarnFactorOneChangesNothingAndBadArgsThrow) {
