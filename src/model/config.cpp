@@ -23,7 +23,7 @@ Arch parse_arch(const std::string& model_type) {
   if (model_type == "kimi_linear") return Arch::kimi_linear;
   if (model_type == "deepseek_v32") return Arch::deepseek_v32;
   if (model_type == "kimi_k3") return Arch::kimi_k3;
-  fail("config.json: unsupported model_type '{}' (Kestrel serves kimi_linear, deepseek_v32, kimi_k3)", model_type);
+  fail("unsupported model_type '{}' (Kestrel serves kimi_linear, deepseek_v32, kimi_k3)", model_type);
 }
 
 namespace {
