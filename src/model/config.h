@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/cpu/attention.h"
+
 namespace kestrel {
 
 enum class Arch { kimi_linear, deepseek_v32, kimi_k3 };
@@ -17,14 +19,8 @@ Arch parse_arch(const std::string& model_type);  // Error for anything else
 enum class LayerKind { kda, mla };
 enum class WeightQuant { none, fp8_block, mxfp4 };
 
-struct YarnConfig {
-  double factor = 1.0;
-  double original_max_position_embeddings = 4096;
-  double beta_fast = 32;
-  double beta_slow = 1;
-  double mscale = 1.0;
-  double mscale_all_dim = 0.0;
-};
+// YaRN settings of `rope_scaling` (the kernels' own parameter struct, so they pass through unchanged).
+using YarnConfig = cpu::YarnParams;
 
 struct ModelConfig {
   Arch arch = Arch::kimi_k3;

@@ -61,16 +61,7 @@ MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::s
     indexer_ = std::move(ix);
   }
   if (cfg.use_rope) {
-    cpu::YarnParams y;
-    if (cfg.yarn) {
-      y.factor = cfg.yarn->factor;
-      y.original_max_position_embeddings = cfg.yarn->original_max_position_embeddings;
-      y.beta_fast = cfg.yarn->beta_fast;
-      y.beta_slow = cfg.yarn->beta_slow;
-      y.mscale = cfg.yarn->mscale;
-      y.mscale_all_dim = cfg.yarn->mscale_all_dim;
-    }
-    inv_freq_ = cpu::rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn ? &y : nullptr);
+    inv_freq_ = cpu::rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn ? &*cfg.yarn : nullptr);
   }
 }
 
