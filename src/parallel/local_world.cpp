@@ -6,6 +6,7 @@
 #include <exception>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -56,7 +57,11 @@ class Group {
   void collective_begin(int rank, const Posting& p) {
     posts_[rank] = p;
     arrive_and_wait(rank);
-    check_postings_agree();
+    const std::string problem = disagreement();
+    if (!problem.empty()) {
+      arrive_and_wait(rank);  // every rank finds the same problem; none may free its buffers while others read them
+      fail("{}", problem);
+    }
   }
   void collective_end(int rank) { arrive_and_wait(rank); }
 
@@ -127,39 +132,42 @@ class Group {
       if (finished_[r]) fail("rank {} waits in a collective that rank {} never entered (it has returned)", rank, r);
   }
 
-  // Runs on every rank over the same postings, so every rank reaches the same verdict.
-  void check_postings_agree() const {
+  // What is inconsistent about the current postings, or "". Runs on every rank over the same postings, so every
+  // rank reaches the same verdict.
+  std::string disagreement() const {
     const Posting& first = posts_[0];
     for (int r = 1; r < size_; ++r)
-      KESTREL_CHECK(posts_[r].op == first.op, "collective mismatch: rank 0 called {} but rank {} called {}",
-                    op_name(first.op), r, op_name(posts_[r].op));
+      if (posts_[r].op != first.op)
+        return fmt::format("collective mismatch: rank 0 called {} but rank {} called {}", op_name(first.op), r,
+                           op_name(posts_[r].op));
     switch (first.op) {
       case Op::kAllGather:
       case Op::kAllReduceSum:
         for (int r = 1; r < size_; ++r)
-          KESTREL_CHECK(posts_[r].bytes == first.bytes, "{} size mismatch: rank 0 passed {}, rank {} passed {}",
-                        op_name(first.op), first.bytes, r, posts_[r].bytes);
+          if (posts_[r].bytes != first.bytes)
+            return fmt::format("{} size mismatch: rank 0 passed {}, rank {} passed {}", op_name(first.op),
+                               first.bytes, r, posts_[r].bytes);
         break;
       case Op::kAllGatherV:
         for (int r = 0; r < size_; ++r) {
-          KESTREL_CHECK(std::equal(posts_[r].recv_bytes.begin(), posts_[r].recv_bytes.end(),
-                                   first.recv_bytes.begin()),
-                        "all_gather_v: rank {} and rank 0 disagree on the byte counts", r);
-          KESTREL_CHECK(posts_[r].bytes == first.recv_bytes[r],
-                        "all_gather_v: rank {} sends {} bytes but the counts say {}", r, posts_[r].bytes,
-                        first.recv_bytes[r]);
+          if (!std::equal(posts_[r].recv_bytes.begin(), posts_[r].recv_bytes.end(), first.recv_bytes.begin()))
+            return fmt::format("all_gather_v: rank {} and rank 0 disagree on the byte counts", r);
+          if (posts_[r].bytes != first.recv_bytes[r])
+            return fmt::format("all_gather_v: rank {} sends {} bytes but the counts say {}", r, posts_[r].bytes,
+                               first.recv_bytes[r]);
         }
         break;
       case Op::kAllToAllV:
         for (int s = 0; s < size_; ++s)
           for (int d = 0; d < size_; ++d)
-            KESTREL_CHECK(posts_[s].send_bytes[d] == posts_[d].recv_bytes[s],
-                          "all_to_all_v: rank {} sends {} bytes to rank {}, which expects {}", s,
-                          posts_[s].send_bytes[d], d, posts_[d].recv_bytes[s]);
+            if (posts_[s].send_bytes[d] != posts_[d].recv_bytes[s])
+              return fmt::format("all_to_all_v: rank {} sends {} bytes to rank {}, which expects {}", s,
+                                 posts_[s].send_bytes[d], d, posts_[d].recv_bytes[s]);
         break;
       case Op::kBarrier:
         break;
     }
+    return "";
   }
 
   const int size_;
@@ -262,8 +270,11 @@ LocalWorld::LocalWorld(int size) : size_(size) {
 
 void LocalWorld::run(const std::function<void(Communicator&)>& fn) const {
   Group group(size_);
-  std::vector<std::exception_ptr> errors(size_);
-  std::vector<bool> only_aborted(size_, false);
+  struct Outcome {
+    std::exception_ptr error;
+    bool aborted = false;  // the error is a CollectiveAborted caused by another rank's failure
+  };
+  std::vector<Outcome> outcomes(size_);
   {
     std::vector<std::jthread> threads;
     threads.reserve(size_);
@@ -274,20 +285,19 @@ void LocalWorld::run(const std::function<void(Communicator&)>& fn) const {
           fn(comm);
           group.finish(r);
         } catch (const CollectiveAborted&) {
-          errors[r] = std::current_exception();
-          only_aborted[r] = true;
+          outcomes[r] = {std::current_exception(), true};
           group.abort();
         } catch (...) {
-          errors[r] = std::current_exception();
+          outcomes[r] = {std::current_exception(), false};
           group.abort();
         }
       });
     }
   }
-  for (int r = 0; r < size_; ++r)
-    if (errors[r] && !only_aborted[r]) std::rethrow_exception(errors[r]);
-  for (int r = 0; r < size_; ++r)
-    if (errors[r]) std::rethrow_exception(errors[r]);
+  for (const Outcome& o : outcomes)
+    if (o.error && !o.aborted) std::rethrow_exception(o.error);
+  for (const Outcome& o : outcomes)
+    if (o.error) std::rethrow_exception(o.error);
   group.check_mail_delivered();
 }
 

@@ -18,20 +18,21 @@ namespace {
 // Runs world.run(fn) and returns the exception it threw (or nullptr); a run that hangs fails the process instead of
 // the test suite timing out without saying why.
 std::exception_ptr run_with_deadline(const LocalWorld& world, const std::function<void(Communicator&)>& fn) {
-  auto done = std::make_shared<std::promise<std::exception_ptr>>();
-  auto result = done->get_future();
-  std::thread([world, fn, done] {
+  std::promise<std::exception_ptr> done;
+  std::future<std::exception_ptr> result = done.get_future();
+  std::thread runner([&] {
     try {
       world.run(fn);
-      done->set_value(nullptr);
+      done.set_value(nullptr);
     } catch (...) {
-      done->set_value(std::current_exception());
+      done.set_value(std::current_exception());
     }
-  }).detach();
+  });
   if (result.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
     std::fprintf(stderr, "LocalWorld::run did not return within 20 s: deadlock\n");
     std::_Exit(1);
   }
+  runner.join();
   return result.get();
 }
 
