@@ -1,0 +1,268 @@
+"""Golden tests of Kestrel's tokenizers against the Python `tokenizers` (tokenizer.json) and `tiktoken` (rank file)
+libraries, on the deterministic corpus of text_corpus.py, through `kestrel tokenize MODEL_DIR --jsonl`.
+
+Checked for every corpus string and every tokenizer variant: ids with and without special-token parsing and with
+the post-processor; decoding of those ids and of random id sequences (which produce invalid UTF-8) with and
+without skipping special tokens; the incremental detokenizer equals the full decode at every prefix; invalid
+UTF-8 input is rejected with a clear error.
+"""
+
+import copy
+import json
+import random
+
+import pytest
+
+import text_corpus
+from text_harness import batch, report, write_tiktoken_files
+
+tokenizers = pytest.importorskip("tokenizers")
+tiktoken = pytest.importorskip("tiktoken")
+
+DEEPSEEK_SPLITS = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+CL100K_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+STREAM_MAX_TOKENS = 48
+
+
+def _deepseek_pre_tokenizer():
+    return {"type": "Sequence", "pretokenizers": [
+        *({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False} for p in DEEPSEEK_SPLITS),
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer_json():
+    """A byte-level BPE trained by `tokenizers` itself on the training text, DeepSeek-V3 pre-tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=text_corpus.SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text_corpus.training_text(), trainer=trainer)
+    j = json.loads(tok.to_str())
+    j["pre_tokenizer"] = _deepseek_pre_tokenizer()
+    return j
+
+
+def _variants(base):
+    """tokenizer.json variants that exercise the supported pipeline pieces."""
+    out = {}
+    out["deepseek"] = copy.deepcopy(base)
+    v = copy.deepcopy(base)
+    bos = base["added_tokens"][0]
+    v["post_processor"] = {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": bos["content"], "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {bos["content"]: {"id": bos["content"], "ids": [bos["id"]],
+                                                               "tokens": [bos["content"]]}}}
+    out["deepseek_bos"] = v
+    v = copy.deepcopy(base)
+    v["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    out["gpt2_prefix_space"] = v
+    v = copy.deepcopy(base)
+    v["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithNext", "invert": False},
+        {"type": "Split", "pattern": {"Regex": r"\p{P}"}, "behavior": "MergedWithPrevious", "invert": False},
+        {"type": "Split", "pattern": {"Regex": r"[\p{Han}\p{Hiragana}]"}, "behavior": "Contiguous", "invert": False},
+        {"type": "Split", "pattern": {"Regex": r"\n"}, "behavior": "Removed", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    out["behaviors"] = v
+    v = copy.deepcopy(base)
+    v["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\s+"}, "behavior": "Isolated", "invert": True},
+        {"type": "Digits", "individual_digits": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    v["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"String": "\t"}, "content": "    "},
+        {"type": "Replace", "pattern": {"Regex": r"\d{4,}"}, "content": "#"},
+        {"type": "Strip", "strip_left": False, "strip_right": True},
+        {"type": "Prepend", "prepend": "▁"}]}
+    out["normalized"] = v
+    v = copy.deepcopy(base)
+    v["model"]["ignore_merges"] = True
+    for t in v["added_tokens"]:
+        if t["content"] in ("<think>", "</think>"):
+            t["special"] = False
+            t["normalized"] = True
+        if t["content"] == "<|im_end|>":
+            t["lstrip"] = True
+            t["rstrip"] = True
+    out["ignore_merges_added"] = v
+    return out
+
+
+def _random_ids(r, n_ids, count):
+    return [[r.randrange(n_ids) for _ in range(r.randint(1, 12))] for _ in range(count)]
+
+
+def _run_hf(name, tj, tmp_path_factory, round_trips):
+    d = tmp_path_factory.mktemp(name)
+    (d / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    ref = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    corpus = text_corpus.strings()
+    reqs = []
+    for s in corpus:
+        reqs.append({"op": "encode", "text": s, "parse_special": True})
+        reqs.append({"op": "encode", "text": s, "parse_special": False})
+        reqs.append({"op": "encode", "text": s, "parse_special": True, "add_special_tokens": True})
+    got = batch(d, reqs)
+    mism = []
+    ids_by_string = []
+    for i, s in enumerate(corpus):
+        g = got[3 * i:3 * i + 3]
+        ref.encode_special_tokens = False
+        want = ref.encode(s, add_special_tokens=False).ids
+        want_post = ref.encode(s, add_special_tokens=True).ids
+        ref.encode_special_tokens = True
+        want_ordinary = ref.encode(s, add_special_tokens=False).ids
+        if g[0].get("ids") != want:
+            mism.append((s, "special", g[0], want))
+        if g[1].get("ids") != want_ordinary:
+            mism.append((s, "ordinary", g[1], want_ordinary))
+        if g[2].get("ids") != want_post:
+            mism.append((s, "post", g[2], want_post))
+        ids_by_string.append(want)
+    report(mism, f"{name}: encode")
+
+    r = random.Random(11)
+    id_lists = ids_by_string + _random_ids(r, ref.get_vocab_size(), 500)
+    reqs = []
+    for ids in id_lists:
+        reqs.append({"op": "decode", "ids": ids})
+        reqs.append({"op": "decode", "ids": ids, "skip_special": True})
+        reqs.append({"op": "stream", "ids": ids[:STREAM_MAX_TOKENS]})
+    got = batch(d, reqs)
+    mism = []
+    for i, ids in enumerate(id_lists):
+        g = got[3 * i:3 * i + 3]
+        want = ref.decode(ids, skip_special_tokens=False)
+        if g[0].get("text") != want:
+            mism.append((ids, "decode", g[0], want))
+        want_skip = ref.decode(ids, skip_special_tokens=True)
+        if g[1].get("text") != want_skip:
+            mism.append((ids, "decode skip", g[1], want_skip))
+        _check_stream(ids[:STREAM_MAX_TOKENS], g[2], lambda p: ref.decode(p, skip_special_tokens=False), mism)
+        if round_trips and i < len(corpus) and want != corpus[i]:
+            mism.append((ids, "round trip", want, corpus[i]))
+    report(mism, f"{name}: decode/stream")
+
+
+def _check_stream(ids, reply, decode, mism):
+    if "chunks" not in reply:
+        mism.append((ids, "stream", reply))
+        return
+    emitted = ""
+    for k in range(len(ids)):
+        emitted += reply["chunks"][k]
+        full = decode(ids[:k + 1])
+        if emitted + reply["pending"][k] != full:
+            mism.append((ids, f"stream prefix {k + 1}", emitted, reply["pending"][k], full))
+            return
+
+
+@pytest.mark.parametrize("variant", ["deepseek", "deepseek_bos", "gpt2_prefix_space", "behaviors", "normalized",
+                                     "ignore_merges_added"])
+def test_tokenizer_json_matches_tokenizers(variant, base_tokenizer_json, tmp_path_factory):
+    # Variants that add a prefix space, normalize, drop text or strip around added tokens do not round-trip.
+    _run_hf(variant, _variants(base_tokenizer_json)[variant], tmp_path_factory,
+            round_trips=variant in ("deepseek", "deepseek_bos"))
+
+
+def _ranks_from_hf(tj):
+    """tiktoken ranks from a byte-level vocabulary: rank = id, bytes through the byte alphabet."""
+    from tokenizers import pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    char_to_byte = {chr(c): b for b, c in zip(bs, cs)}
+    assert set(char_to_byte) == set(alphabet)
+    specials = {t["content"]: t["id"] for t in tj["added_tokens"]}
+    ranks = {}
+    for tok, i in tj["model"]["vocab"].items():
+        if tok in specials:
+            continue
+        ranks[bytes(char_to_byte[c] for c in tok)] = i
+    return ranks, specials
+
+
+@pytest.mark.parametrize("pattern_name", ["kimi_default", "cl100k", "gpt2"])
+def test_tiktoken_matches_tiktoken(pattern_name, base_tokenizer_json, tmp_path_factory):
+    ranks, specials = _ranks_from_hf(base_tokenizer_json)
+    pat = {"kimi_default": KIMI_PATTERN, "cl100k": CL100K_PATTERN, "gpt2": GPT2_PATTERN}[pattern_name]
+    d = tmp_path_factory.mktemp("tiktoken_" + pattern_name)
+    write_tiktoken_files(d, ranks, specials, None if pattern_name == "kimi_default" else pat)
+    enc = tiktoken.Encoding(name="golden", pat_str=pat, mergeable_ranks=ranks, special_tokens=specials)
+    corpus = text_corpus.strings()
+    reqs = []
+    for s in corpus:
+        reqs.append({"op": "encode", "text": s, "parse_special": True})
+        reqs.append({"op": "encode", "text": s, "parse_special": False})
+    got = batch(d, reqs)
+    mism = []
+    id_lists = []
+    for i, s in enumerate(corpus):
+        want = enc.encode(s, allowed_special="all")
+        want_ordinary = enc.encode_ordinary(s)
+        if got[2 * i].get("ids") != want:
+            mism.append((s, "special", got[2 * i], want))
+        if got[2 * i + 1].get("ids") != want_ordinary:
+            mism.append((s, "ordinary", got[2 * i + 1], want_ordinary))
+        id_lists.append(want)
+    report(mism, f"tiktoken {pattern_name}: encode")
+
+    r = random.Random(12)
+    all_ids = sorted(set(ranks.values()) | set(specials.values()))
+    id_lists += [[r.choice(all_ids) for _ in range(r.randint(1, 12))] for _ in range(500)]
+    special_ids = set(specials.values())
+    reqs = []
+    for ids in id_lists:
+        reqs.append({"op": "decode", "ids": ids})
+        reqs.append({"op": "decode", "ids": ids, "skip_special": True})
+        reqs.append({"op": "stream", "ids": ids[:STREAM_MAX_TOKENS]})
+    got = batch(d, reqs)
+    mism = []
+    for i, ids in enumerate(id_lists):
+        want = enc.decode(ids)
+        if got[3 * i].get("text") != want:
+            mism.append((ids, "decode", got[3 * i], want))
+        want_skip = enc.decode([t for t in ids if t not in special_ids])
+        if got[3 * i + 1].get("text") != want_skip:
+            mism.append((ids, "decode skip", got[3 * i + 1], want_skip))
+        _check_stream(ids[:STREAM_MAX_TOKENS], got[3 * i + 2], enc.decode, mism)
+        if i < len(corpus) and want != corpus[i]:
+            mism.append((ids, "round trip", want, corpus[i]))
+    report(mism, f"tiktoken {pattern_name}: decode/stream")
+
+
+def test_invalid_utf8_is_rejected(base_tokenizer_json, tmp_path_factory):
+    d = tmp_path_factory.mktemp("invalid")
+    (d / "tokenizer.json").write_text(json.dumps(base_tokenizer_json, ensure_ascii=False))
+    bad = text_corpus.invalid_utf8()
+    got = batch(d, [{"op": "encode", "hex": b.hex()} for b in bad])
+    mism = [(b, g) for b, g in zip(bad, got) if "not valid UTF-8" not in g.get("error", "")]
+    report(mism, "invalid UTF-8 not rejected")
