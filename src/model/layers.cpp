@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/formats.h"
@@ -22,14 +23,79 @@ Linear load_linear(WeightLoader& w, const std::string& prefix, int64_t out, int6
 }
 
 float inv_sqrt(int n) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
+
+// The page holding position p, and the one a slot points into.
+uint8_t* page_of_position(const TokenPages& pg, int64_t p) {
+  return pg.base + int64_t{pg.block_table[p / pg.block_size]} * pg.row_bytes;
+}
+uint8_t* page_of_slot(const TokenPages& pg, int64_t slot) { return pg.base + slot / pg.block_size * pg.row_bytes; }
+
+float load_f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+void store_f32(uint8_t* p, float v) { std::memcpy(p, &v, sizeof v); }
+
+uint8_t nibble(const uint8_t* packed, int i) { return (packed[i / 2] >> (4 * (i % 2))) & 0xF; }
 }  // namespace
+
+int64_t latent_entry_bytes(const ModelConfig& cfg, LatentCacheDtype d) {
+  const int64_t C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
+  switch (d) {
+    case LatentCacheDtype::auto_fp32:
+      return (C + R) * int64_t{sizeof(float)};
+    case LatentCacheDtype::fp8:
+      // deepseek_v32: C e4m3 in tiles of 128, one fp32 scale per tile, the RoPE tail in bf16 (656 B at C = 512).
+      // kimi: C + R e4m3 with one scale per layer (576 B).
+      if (cfg.arch == Arch::deepseek_v32) {
+        KESTREL_CHECK(C % 128 == 0,
+                      "--kv-cache-dtype fp8 for deepseek_v32 stores the latent in tiles of 128 values; kv_lora_rank {} "
+                      "is not a multiple of 128",
+                      C);
+        return C + C / 128 * 4 + R * 2;
+      }
+      return C + R;
+    case LatentCacheDtype::nvfp4:
+      // C e2m1 values in blocks of 16 with an e4m3 scale each, then the R-value tail in e4m3 (352 B at C = 512).
+      KESTREL_CHECK(cfg.arch != Arch::deepseek_v32,
+                    "--kv-cache-dtype nvfp4 is defined for kimi_k3 and kimi_linear; deepseek_v32 uses fp8 (656-B "
+                    "layout) or auto");
+      KESTREL_CHECK(C % 16 == 0, "--kv-cache-dtype nvfp4 needs kv_lora_rank divisible by 16, got {}", C);
+      return C / 2 + C / 16 + R;
+  }
+  fail("unknown latent cache dtype");
+}
+
+int64_t index_key_entry_bytes(const ModelConfig& cfg, IndexKeyDtype d) {
+  if (!cfg.has_indexer) return 0;
+  const int64_t D = cfg.index_head_dim;
+  if (d == IndexKeyDtype::fp8) return D + int64_t{sizeof(float)};  // 132 B at D = 128
+  KESTREL_CHECK(D % 32 == 0, "--index-dtype mxfp4 needs index_head_dim divisible by 32, got {}", D);
+  return D / 2 + D / 32;  // 68 B at D = 128
+}
+
+int64_t kda_state_bytes(const ModelConfig& cfg, int heads) {
+  const int64_t dk = cfg.kda_head_dim, hist = cfg.short_conv_kernel_size - 1;
+  return (int64_t{heads} * dk * dk + 3 * hist * heads * dk) * int64_t{sizeof(float)};
+}
+
+KdaStateView kda_state_view(const ModelConfig& cfg, uint8_t* at) {
+  const int64_t H = cfg.kda_num_heads, dk = cfg.kda_head_dim, hist = (cfg.short_conv_kernel_size - 1) * H * dk;
+  KdaStateView v;
+  v.state = reinterpret_cast<float*>(at);
+  v.conv_q = v.state + H * dk * dk;
+  v.conv_k = v.conv_q + hist;
+  v.conv_v = v.conv_k + hist;
+  return v;
+}
 
 void Linear::operator()(const float* x, int64_t T, float* y) const { cpu::linear(x, w.ptr(), y, T, in(), out()); }
 
 // ---------------------------------------------------------------- MLA + indexer
 
 MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& p, LatentCacheDtype latent)
-    : cfg_(cfg), latent_(latent) {
+    : cfg_(cfg), latent_(latent), keys_(IndexKeyDtype::fp8) {
   const int64_t D = cfg.hidden_size, H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
   const int64_t qdim = H * cfg.qk_head_dim();
   if (cfg.q_lora_rank) {
@@ -44,10 +110,7 @@ MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::s
   kv_b_ = w.linear(p + "kv_b_proj", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C);
   o_proj_ = load_linear(w, p + "o_proj", D, H * cfg.v_head_dim);
   if (w.has(p + "kv_scale")) kv_scale_ = w.get(p + "kv_scale", {}).data[0];
-  if (latent_ == LatentCacheDtype::fp8 && cfg.arch == Arch::deepseek_v32 && C % 128)
-    fail("--kv-cache-dtype fp8 for deepseek_v32 stores the latent in tiles of 128 values; kv_lora_rank {} is not a "
-         "multiple of 128",
-         C);
+  latent_bytes_ = latent_entry_bytes(cfg, latent);
   if (cfg.has_indexer) {
     Indexer ix;
     ix.n_heads = cfg.index_n_heads;
@@ -59,35 +122,111 @@ MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::s
     ix.k_norm_b = w.get(p + "indexer.k_norm.bias", {ix.head_dim});
     ix.weights_proj = load_linear(w, p + "indexer.weights_proj", ix.n_heads, D);
     indexer_ = std::move(ix);
+    index_key_bytes_ = index_key_entry_bytes(cfg, keys_);
   }
   if (cfg.use_rope) {
     inv_freq_ = cpu::rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn ? &*cfg.yarn : nullptr);
   }
 }
 
-void MlaAttention::write_latent(const float* kv, float* dst) const {
+void MlaAttention::set_index_key_dtype(IndexKeyDtype keys) {
+  keys_ = keys;
+  index_key_bytes_ = index_key_entry_bytes(cfg_, keys);
+}
+
+void MlaAttention::write_latent(const float* kv, uint8_t* e) const {
   const int C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim;
-  if (latent_ == LatentCacheDtype::auto_fp32) {
-    std::copy(kv, kv + C + R, dst);
-  } else if (cfg_.arch == Arch::deepseek_v32) {
-    // DeepSeek's 656-B layout: latent tiles of 128 with ue8m0 scales, k_pe in bf16.
-    uint8_t codes[128];
-    for (int t = 0; t < C; t += 128) {
-      const float s = quantize_fp8_ue8m0(kv + t, 128, codes);
-      dequantize_fp8(codes, 128, s, dst + t);
-    }
-    for (int i = C; i < C + R; ++i) dst[i] = round_to_bf16(kv[i]);
-  } else {
-    // Kimi's 576-B layout: every value e4m3 with one per-layer scale.
-    for (int i = 0; i < C + R; ++i) {
-      const float q = std::clamp(kv[i] / kv_scale_, -kE4m3Max, kE4m3Max);
-      dst[i] = e4m3_to_f32(f32_to_e4m3(q)) * kv_scale_;
+  // kimi's FP8 and NVFP4 layouts share one per-layer scale for the e4m3 values (kv_scale, 1 without one).
+  auto e4m3_scaled = [&](float v) { return f32_to_e4m3(std::clamp(v / kv_scale_, -kE4m3Max, kE4m3Max)); };
+  switch (latent_) {
+    case LatentCacheDtype::auto_fp32:
+      std::memcpy(e, kv, sizeof(float) * (C + R));
+      return;
+    case LatentCacheDtype::fp8:
+      if (cfg_.arch == Arch::deepseek_v32) {
+        for (int t = 0; t < C; t += 128) store_f32(e + C + t / 128 * 4, quantize_fp8_ue8m0(kv + t, 128, e + t));
+        for (int i = 0; i < R; ++i) {
+          const uint16_t b = f32_to_bf16(kv[C + i]);
+          std::memcpy(e + C + C / 128 * 4 + 2 * i, &b, 2);
+        }
+      } else {
+        for (int i = 0; i < C + R; ++i) e[i] = e4m3_scaled(kv[i]);
+      }
+      return;
+    case LatentCacheDtype::nvfp4:
+      nvfp4_encode(kv, C, kv_scale_, e, e + C / 2);
+      for (int i = 0; i < R; ++i) e[C / 2 + C / 16 + i] = e4m3_scaled(kv[C + i]);
+      return;
+  }
+}
+
+void MlaAttention::read_latent(const TokenPages& pg, int64_t n, float* rows) const {
+  const int C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim;
+  for (int64_t p = 0; p < n; ++p) {
+    const uint8_t* e = page_of_position(pg, p) + (p % pg.block_size) * latent_bytes_;
+    float* row = rows + p * (C + R);
+    switch (latent_) {
+      case LatentCacheDtype::auto_fp32:
+        std::memcpy(row, e, sizeof(float) * (C + R));
+        break;
+      case LatentCacheDtype::fp8:
+        if (cfg_.arch == Arch::deepseek_v32) {
+          for (int t = 0; t < C; t += 128) dequantize_fp8(e + t, 128, load_f32(e + C + t / 128 * 4), row + t);
+          for (int i = 0; i < R; ++i) {
+            uint16_t b;
+            std::memcpy(&b, e + C + C / 128 * 4 + 2 * i, 2);
+            row[C + i] = bf16_to_f32(b);
+          }
+        } else {
+          for (int i = 0; i < C + R; ++i) row[i] = e4m3_to_f32(e[i]) * kv_scale_;
+        }
+        break;
+      case LatentCacheDtype::nvfp4:
+        nvfp4_decode(e, e + C / 2, C, kv_scale_, row);
+        for (int i = 0; i < R; ++i) row[C + i] = e4m3_to_f32(e[C / 2 + C / 16 + i]) * kv_scale_;
+        break;
     }
   }
 }
 
-std::vector<int32_t> MlaAttention::select(const float* x_t, const float* qr_t, int64_t pos,
-                                          const MlaLayerCache& cache) const {
+void MlaAttention::write_index_key(const float* k, const TokenPages& pg, int64_t slot) const {
+  const int D = indexer_->head_dim;
+  const int64_t B = pg.block_size, off = slot % B;
+  uint8_t* keys = page_of_slot(pg, slot) + B * latent_bytes_;
+  if (keys_ == IndexKeyDtype::fp8) {
+    store_f32(keys + B * D + off * 4, quantize_fp8_ue8m0(k, D, keys + off * D));
+  } else {
+    mxfp4_encode(k, D, keys + off * (D / 2), keys + B * (D / 2) + off * (D / 32));
+  }
+}
+
+void MlaAttention::read_index_keys(const TokenPages& pg, int64_t n, uint8_t* codes, float* scales) const {
+  const int D = indexer_->head_dim;
+  const int64_t B = pg.block_size;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t off = p % B;
+    const uint8_t* keys = page_of_position(pg, p) + B * latent_bytes_;
+    uint8_t* out = codes + p * D;
+    if (keys_ == IndexKeyDtype::fp8) {
+      std::memcpy(out, keys + off * D, D);
+      scales[p] = load_f32(keys + B * D + off * 4);
+      continue;
+    }
+    // An MXFP4 key is re-expressed as FP8 codes with one power-of-two scale, so that the indexer's exact FP8 dot
+    // scores it: scale 2^(e_max - 127 - 6) for the largest block exponent e_max maps every decoded value
+    // e2m1 * 2^(e_b - 127) to e2m1 * 2^(e_b - e_max + 6), at most 6 * 64 = 384 <= 448. The re-expression is exact
+    // whenever every block exponent is within 14 of the largest (docs/engine.md); otherwise e4m3 rounds it.
+    const uint8_t* packed = keys + off * (D / 2);
+    const uint8_t* block_exp = keys + B * (D / 2) + off * (D / 32);
+    const int e_max = *std::max_element(block_exp, block_exp + D / 32);
+    for (int i = 0; i < D; ++i)
+      out[i] = f32_to_e4m3(std::ldexp(e2m1_to_f32(nibble(packed, i)), int{block_exp[i / 32]} - e_max + 6));
+    scales[p] = std::ldexp(1.0f, e_max - 127 - 6);
+  }
+}
+
+std::vector<int32_t> MlaAttention::select(const float* x_t, const float* qr_t, int64_t pos, const uint8_t* key_codes,
+                                          const float* key_scales) const {
   const Indexer& ix = *indexer_;
   const int Hi = ix.n_heads, Dh = ix.head_dim, R = cfg_.qk_rope_head_dim;
   std::vector<float> q(static_cast<size_t>(Hi) * Dh), wts(Hi);
@@ -103,8 +242,7 @@ std::vector<int32_t> MlaAttention::select(const float* x_t, const float* qr_t, i
   }
   const int64_t n = pos + 1;
   std::vector<float> scores(n);
-  cpu::indexer_scores(q_codes.data(), wts.data(), Hi, Dh, cache.key_codes.data(), cache.key_scales.data(), n,
-                      scores.data());
+  cpu::indexer_scores(q_codes.data(), wts.data(), Hi, Dh, key_codes, key_scales, n, scores.data());
   const int k = static_cast<int>(std::min<int64_t>(cfg_.index_topk, n));
   std::vector<int32_t> idx(k);
   cpu::topk_indices(scores.data(), n, k, idx.data());
@@ -114,10 +252,10 @@ std::vector<int32_t> MlaAttention::select(const float* x_t, const float* qr_t, i
   return idx;
 }
 
-void MlaAttention::forward(const float* x, int64_t T, MlaLayerCache& cache, float* y) const {
+void MlaAttention::forward(const float* x, int64_t T, const TokenPages& pages, float* y) const {
   const int H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim;
   const int dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim, dq = cfg_.qk_head_dim();
-  const int64_t D = cfg_.hidden_size, pos0 = cache.n;
+  const int64_t D = cfg_.hidden_size, pos0 = pages.pos0, B = pages.block_size;
 
   std::vector<float> q(static_cast<size_t>(T) * H * dq), qr;
   if (q_a_) {
@@ -140,13 +278,13 @@ void MlaAttention::forward(const float* x, int64_t T, MlaLayerCache& cache, floa
     }
   }
 
-  // Append the new tokens' cache rows (and index keys) before attending: a token attends to itself.
-  cache.rows.resize(static_cast<size_t>(pos0 + T) * (C + R));
-  for (int64_t t = 0; t < T; ++t) write_latent(kv.data() + t * (C + R), cache.rows.data() + (pos0 + t) * (C + R));
+  // Write the new tokens' latent and index-key entries before attending: a token attends to itself.
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = pages.slots[t];
+    write_latent(kv.data() + t * (C + R), page_of_slot(pages, slot) + slot % B * latent_bytes_);
+  }
   if (indexer_) {
     const int Dh = indexer_->head_dim;
-    cache.key_codes.resize(static_cast<size_t>(pos0 + T) * Dh);
-    cache.key_scales.resize(pos0 + T);
     std::vector<float> k(static_cast<size_t>(T) * Dh);
     indexer_->wk(x, T, k.data());
     cpu::layer_norm(k.data(), indexer_->k_norm_w.ptr(), indexer_->k_norm_b.ptr(), k.data(), T, Dh, kIndexKeyNormEps);
@@ -154,10 +292,21 @@ void MlaAttention::forward(const float* x, int64_t T, MlaLayerCache& cache, floa
       float* kt = k.data() + t * Dh;
       if (cfg_.use_rope) cpu::rope_neox(kt, 1, Dh, R, pos0 + t, inv_freq_.data());
       cpu::hadamard_inplace(kt, Dh);
-      cache.key_scales[pos0 + t] = quantize_fp8_ue8m0(kt, Dh, cache.key_codes.data() + (pos0 + t) * Dh);
+      write_index_key(kt, pages, pages.slots[t]);
     }
   }
-  cache.n = pos0 + T;
+
+  // The reference reads back decoded values: every cached position once per call.
+  const int64_t n = pos0 + T;
+  std::vector<float> rows(static_cast<size_t>(n) * (C + R));
+  read_latent(pages, n, rows.data());
+  std::vector<uint8_t> key_codes;
+  std::vector<float> key_scales;
+  if (indexer_) {
+    key_codes.resize(static_cast<size_t>(n) * indexer_->head_dim);
+    key_scales.resize(n);
+    read_index_keys(pages, n, key_codes.data(), key_scales.data());
+  }
 
   const float scale = cfg_.softmax_scale();
   std::vector<float> o(static_cast<size_t>(T) * H * dv);
@@ -167,11 +316,12 @@ void MlaAttention::forward(const float* x, int64_t T, MlaLayerCache& cache, floa
     cpu::mla_absorb_query(q.data() + t * H * dq, kv_b_.ptr(), H, dn, dv, C, R, q_abs.data());
     const int64_t pos = pos0 + t;
     if (indexer_) {
-      const std::vector<int32_t> idx = select(x + t * D, q_a_ ? qr.data() + t * cfg_.q_lora_rank : x + t * D, pos, cache);
-      cpu::mla_attend_absorbed(q_abs.data(), H, C, R, cache.rows.data(), pos + 1, idx.data(),
+      const std::vector<int32_t> idx = select(x + t * D, q_a_ ? qr.data() + t * cfg_.q_lora_rank : x + t * D, pos,
+                                              key_codes.data(), key_scales.data());
+      cpu::mla_attend_absorbed(q_abs.data(), H, C, R, rows.data(), pos + 1, idx.data(),
                                static_cast<int64_t>(idx.size()), scale, obar.data(), lse.data());
     } else {
-      cpu::mla_attend_absorbed(q_abs.data(), H, C, R, cache.rows.data(), pos + 1, nullptr, 0, scale, obar.data(),
+      cpu::mla_attend_absorbed(q_abs.data(), H, C, R, rows.data(), pos + 1, nullptr, 0, scale, obar.data(),
                                lse.data());
     }
     cpu::mla_unabsorb_output(obar.data(), kv_b_.ptr(), H, dn, dv, C, o.data() + t * H * dv);
@@ -202,26 +352,33 @@ KdaMixer::KdaMixer(const ModelConfig& cfg, WeightLoader& w, const std::string& p
   o_ = load_linear(w, p + "o_proj", D, P);
 }
 
-KdaLayerState KdaMixer::new_state() const {
-  const size_t H = cfg_.kda_num_heads, dk = cfg_.kda_head_dim, hist = (cfg_.short_conv_kernel_size - 1) * H * dk;
-  KdaLayerState s;
-  s.state.assign(H * dk * dk, 0.0f);
-  s.conv_q.assign(hist, 0.0f);
-  s.conv_k.assign(hist, 0.0f);
-  s.conv_v.assign(hist, 0.0f);
-  return s;
-}
-
-void KdaMixer::forward(const float* x, int64_t T, int64_t pos0, KdaLayerState& st, bool chunked, float* y) const {
+void KdaMixer::forward(const float* x, int64_t T, int64_t pos0, const KdaStateView& st, bool chunked,
+                       std::span<const KdaCheckpoint> checkpoints, int64_t checkpoint_every, float* y) const {
   const int H = cfg_.kda_num_heads, dk = cfg_.kda_head_dim, Wc = cfg_.short_conv_kernel_size;
-  const int64_t P = int64_t{H} * dk, n = T * P;
+  const int64_t P = int64_t{H} * dk, n = T * P, state_size = P * dk;
+  for (size_t c = 0; c < checkpoints.size(); ++c)
+    KESTREL_CHECK(checkpoints[c].position > pos0 && checkpoints[c].position <= pos0 + T &&
+                      (c == 0 || checkpoints[c].position > checkpoints[c - 1].position),
+                  "KDA checkpoint at {} is not inside the step ({}, {}] in ascending order", checkpoints[c].position,
+                  pos0, pos0 + T);
+
+  // Each projection goes through its short conv; a checkpoint keeps the W-1 raw inputs before its position, taken
+  // from the history at the start of the step and this step's inputs.
   std::vector<float> raw(n), q(n), k(n), v(n);
-  q_(x, T, raw.data());
-  cpu::short_conv_silu(raw.data(), T, P, conv_q_.ptr(), Wc, st.conv_q.data(), q.data());
-  k_(x, T, raw.data());
-  cpu::short_conv_silu(raw.data(), T, P, conv_k_.ptr(), Wc, st.conv_k.data(), k.data());
-  v_(x, T, raw.data());
-  cpu::short_conv_silu(raw.data(), T, P, conv_v_.ptr(), Wc, st.conv_v.data(), v.data());
+  auto project_and_convolve = [&](const Linear& proj, const Tensor& w, float* hist, float* KdaStateView::*conv,
+                                  float* out) {
+    proj(x, T, raw.data());
+    for (const KdaCheckpoint& c : checkpoints)
+      for (int i = 0; i < Wc - 1; ++i) {
+        const int64_t rel = c.position - (Wc - 1) + i - pos0;
+        const float* src = rel >= 0 ? raw.data() + rel * P : hist + (rel + Wc - 1) * P;
+        std::copy_n(src, P, c.dst.*conv + i * P);
+      }
+    cpu::short_conv_silu(raw.data(), T, P, w.ptr(), Wc, hist, out);
+  };
+  project_and_convolve(q_, conv_q_, st.conv_q, &KdaStateView::conv_q, q.data());
+  project_and_convolve(k_, conv_k_, st.conv_k, &KdaStateView::conv_k, k.data());
+  project_and_convolve(v_, conv_v_, st.conv_v, &KdaStateView::conv_v, v.data());
   cpu::l2_normalize_rows(q.data(), T * H, dk, kL2NormEps);
   cpu::l2_normalize_rows(k.data(), T * H, dk, kL2NormEps);
 
@@ -234,12 +391,34 @@ void KdaMixer::forward(const float* x, int64_t T, int64_t pos0, KdaLayerState& s
 
   std::vector<float> o(n);
   const float scale = inv_sqrt(dk);
-  if (chunked && T > 1)
-    cpu::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, dk, dk, scale, st.state.data(),
-                     o.data(), pos0);
-  else
-    cpu::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, dk, dk, scale, st.state.data(),
-                       o.data());
+  if (chunked && checkpoints.empty()) {
+    cpu::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, dk, dk, scale, st.state, o.data(),
+                     pos0);
+  } else if (chunked) {
+    // The chunked kernel copies the state at every multiple of checkpoint_every; the wanted ones are kept.
+    const int64_t first = pos0 / checkpoint_every, count = (pos0 + T) / checkpoint_every - first;
+    std::vector<float> states(static_cast<size_t>(count * state_size));
+    cpu::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, dk, dk, scale, st.state, o.data(),
+                     pos0, 64, states.data(), checkpoint_every);
+    for (const KdaCheckpoint& c : checkpoints) {
+      KESTREL_CHECK(c.position % checkpoint_every == 0, "KDA checkpoint at {} is not a multiple of {}", c.position,
+                    checkpoint_every);
+      std::copy_n(states.data() + (c.position / checkpoint_every - first - 1) * state_size, state_size, c.dst.state);
+    }
+  } else {
+    // The recurrence is token by token, so cutting it at the checkpoints changes nothing.
+    int64_t t = 0;
+    auto run = [&](int64_t len) {
+      cpu::kda_recurrent(q.data() + t * P, k.data() + t * P, v.data() + t * P, g.data() + t * P,
+                         beta.data() + t * H, len, H, dk, dk, scale, st.state, o.data() + t * P);
+      t += len;
+    };
+    for (const KdaCheckpoint& c : checkpoints) {
+      run(c.position - pos0 - t);
+      std::copy_n(st.state, state_size, c.dst.state);
+    }
+    run(T - t);
+  }
 
   g_a_(x, T, low.data());
   g_b_(low.data(), T, raw.data());

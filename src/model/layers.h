@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,16 @@ namespace kestrel {
 
 class WeightLoader;
 
-// How the MLA latent is kept in the per-request cache (--kv-cache-dtype).
-enum class LatentCacheDtype { auto_fp32, fp8 };
+// How the MLA latent is kept in the cache (--kv-cache-dtype) and how index keys are (--index-dtype).
+enum class LatentCacheDtype { auto_fp32, fp8, nvfp4 };
+enum class IndexKeyDtype { fp8, mxfp4 };
+
+// Bytes per token of one MLA layer's latent entry and index-key entry in the cache (0 for a model without an
+// indexer), and of one KDA layer's per-request state when `heads` of its heads live on this GPU. Error for a
+// format the architecture does not define.
+int64_t latent_entry_bytes(const ModelConfig& cfg, LatentCacheDtype d);
+int64_t index_key_entry_bytes(const ModelConfig& cfg, IndexKeyDtype d);
+int64_t kda_state_bytes(const ModelConfig& cfg, int heads);
 
 struct Linear {
   Tensor w;  // [out, in]
@@ -25,16 +34,29 @@ struct Linear {
   void operator()(const float* x, int64_t T, float* y) const;
 };
 
-// ---- per-request state ----
-struct MlaLayerCache {
-  int64_t n = 0;                   // cached tokens
-  std::vector<float> rows;         // [n, C+R]: [c ; k_pe], as attention reads them (after any FP8 rounding)
-  std::vector<uint8_t> key_codes;  // [n, D] indexer keys, e4m3
-  std::vector<float> key_scales;   // [n]
+// ---- per-request state, as the kernels see it: plain pages ----
+// One MLA layer's pages of one request for one step. Block j of the request (positions [jB, (j+1)B)) is the
+// page at base + block_table[j] * row_bytes: B latent entries, then B index-key entries (the key values of all B
+// tokens, then their B scales). The engine prepares the block table and the slots; the layer owns the bytes.
+struct TokenPages {
+  uint8_t* base = nullptr;               // the cache pool + this layer's page offset in a token row
+  int64_t row_bytes = 0;
+  int block_size = 0;
+  const int32_t* block_table = nullptr;  // rows of the blocks covering positions [0, pos0 + T)
+  const int64_t* slots = nullptr;        // where each new token goes: row * block_size + offset in the block
+  int64_t pos0 = 0;                      // tokens already cached
 };
-struct KdaLayerState {
-  std::vector<float> state;                   // [H, dk, dv]
-  std::vector<float> conv_q, conv_k, conv_v;  // [W-1, H*dk] short-conv histories
+
+// One KDA layer's state of one request, inside a state row: the recurrent state, then the short-conv histories.
+struct KdaStateView {
+  float* state = nullptr;                                    // [H, dk, dv]
+  float* conv_q = nullptr, *conv_k = nullptr, *conv_v = nullptr;  // [W-1, H*dk] each, oldest input first
+};
+KdaStateView kda_state_view(const ModelConfig& cfg, uint8_t* at);
+// A copy of the state after the token at position - 1 (a block boundary inside the step).
+struct KdaCheckpoint {
+  int64_t position = 0;
+  KdaStateView dst;
 };
 
 struct Indexer {
@@ -46,16 +68,30 @@ struct Indexer {
 class MlaAttention {
  public:
   MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix, LatentCacheDtype latent);
-  // x: [T, hidden] normed input of T new tokens at positions cache.n .. cache.n+T-1; y: [T, hidden].
-  void forward(const float* x, int64_t T, MlaLayerCache& cache, float* y) const;
+  // Index keys are FP8 unless set otherwise before the first forward (the graph builders construct the layer
+  // from the weights; the key format is a cache choice made next to them).
+  void set_index_key_dtype(IndexKeyDtype keys);
+  // x: [T, hidden] normed input of T new tokens at positions pages.pos0 ...; y: [T, hidden]. Writes the new
+  // tokens' latent and index-key entries at their slots, then attends over positions [0, pos0 + T).
+  void forward(const float* x, int64_t T, const TokenPages& pages, float* y) const;
+  // The cached rows [c ; k_pe] of positions [0, n) as attention reads them (decoded): rows [n, C+R].
+  void read_latent(const TokenPages& pages, int64_t n, float* rows) const;
   const std::optional<Indexer>& indexer() const { return indexer_; }
+  int64_t latent_bytes() const { return latent_bytes_; }        // per token
+  int64_t index_key_bytes() const { return index_key_bytes_; }  // per token, 0 without an indexer
 
  private:
-  void write_latent(const float* kv_row, float* dst) const;
-  std::vector<int32_t> select(const float* x_t, const float* qr_t, int64_t pos, const MlaLayerCache& cache) const;
+  void write_latent(const float* kv_row, uint8_t* entry) const;
+  void write_index_key(const float* k, const TokenPages& pages, int64_t slot) const;
+  // Index keys of positions [0, n) as FP8 codes [n, D] and scales [n], the form the indexer scores.
+  void read_index_keys(const TokenPages& pages, int64_t n, uint8_t* codes, float* scales) const;
+  std::vector<int32_t> select(const float* x_t, const float* qr_t, int64_t pos, const uint8_t* key_codes,
+                              const float* key_scales) const;
 
   const ModelConfig& cfg_;
   LatentCacheDtype latent_;
+  IndexKeyDtype keys_;
+  int64_t latent_bytes_ = 0, index_key_bytes_ = 0;
   std::optional<Linear> q_a_, q_b_;  // with q_lora_rank
   std::optional<Linear> q_proj_;     // without
   Tensor q_a_norm_;
@@ -69,9 +105,12 @@ class MlaAttention {
 class KdaMixer {
  public:
   KdaMixer(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix);
-  // chunked: prefill of T > 1 tokens in the chunked form (else token by token); y: [T, hidden].
-  void forward(const float* x, int64_t T, int64_t pos0, KdaLayerState& st, bool chunked, float* y) const;
-  KdaLayerState new_state() const;
+  // T new tokens at positions pos0 ...; y: [T, hidden]. chunked: the chunked (WY) form with chunks at absolute
+  // multiples of 64, else the token-by-token recurrence. Checkpoints (positions in (pos0, pos0 + T], ascending)
+  // receive copies of the state and conv histories; in the chunked form their positions must be multiples of
+  // checkpoint_every, itself a multiple of the chunk.
+  void forward(const float* x, int64_t T, int64_t pos0, const KdaStateView& st, bool chunked,
+               std::span<const KdaCheckpoint> checkpoints, int64_t checkpoint_every, float* y) const;
 
  private:
   const ModelConfig& cfg_;

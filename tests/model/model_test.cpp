@@ -61,6 +61,31 @@ std::vector<float> split_logits(const Model& m, const std::vector<int32_t>& ids,
   return out;
 }
 
+// One MLA layer's pages outside any engine: block j lives in row j, so a position's slot is the position itself.
+struct LayerPages {
+  explicit LayerPages(const MlaAttention& l) : layer(l) {}
+  const MlaAttention& layer;
+  int block_size = 64;
+  int64_t n = 0;
+  std::vector<uint8_t> rows;
+  std::vector<int32_t> table;
+  std::vector<int64_t> slots;
+
+  int64_t row_bytes() const { return block_size * (layer.latent_bytes() + layer.index_key_bytes()); }
+  // The pages of positions [0, n + T) with slots for T new tokens at n...
+  TokenPages next(int64_t T) {
+    const int64_t blocks = (n + T + block_size - 1) / block_size;
+    rows.resize(blocks * row_bytes());
+    table.resize(blocks);
+    for (int64_t j = 0; j < blocks; ++j) table[j] = static_cast<int32_t>(j);
+    slots.resize(T);
+    for (int64_t t = 0; t < T; ++t) slots[t] = n + t;
+    const TokenPages pages{rows.data(), row_bytes(), block_size, table.data(), slots.data(), n};
+    n += T;
+    return pages;
+  }
+};
+
 class EveryArch : public ::testing::TestWithParam<Arch> {};
 
 TEST_P(EveryArch, LoadsAndProducesFiniteLogits) {
@@ -118,19 +143,19 @@ TEST(Dsa, TopkCoveringContextEqualsDenseMla) {
     std::normal_distribution<float> nd;
     std::vector<float> x(T * D), ya(T * D), yb(T * D);
     for (float& v : x) v = nd(rng);
-    MlaLayerCache ca, cb;
-    a.forward(x.data(), 40, ca, ya.data());  // prefill then a second chunk, so both paths read cached rows
-    a.forward(x.data() + 40 * D, T - 40, ca, ya.data() + 40 * D);
-    b.forward(x.data(), 40, cb, yb.data());
-    b.forward(x.data() + 40 * D, T - 40, cb, yb.data() + 40 * D);
+    LayerPages ca{a}, cb{b};
+    a.forward(x.data(), 40, ca.next(40), ya.data());  // prefill then a second chunk, so both paths read cached rows
+    a.forward(x.data() + 40 * D, T - 40, ca.next(T - 40), ya.data() + 40 * D);
+    b.forward(x.data(), 40, cb.next(40), yb.data());
+    b.forward(x.data() + 40 * D, T - 40, cb.next(T - 40), yb.data() + 40 * D);
     EXPECT_EQ(0, std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float))) << arch_name(arch);
 
     // With the tiny preset's top-16 the layer really is sparse at 70 tokens: the outputs must differ.
     sparse.index_topk = 16;
     const MlaAttention c(sparse, w, prefix, LatentCacheDtype::auto_fp32);
-    MlaLayerCache cc;
+    LayerPages cc{c};
     std::vector<float> yc(T * D);
-    c.forward(x.data(), T, cc, yc.data());
+    c.forward(x.data(), T, cc.next(T), yc.data());
     EXPECT_GT(rel_err(yc, yb), 1e-4) << arch_name(arch);
     EXPECT_EQ(0, std::memcmp(yc.data(), yb.data(), 16 * D * sizeof(float)))  // first 16 tokens: dense regime
         << arch_name(arch);
@@ -155,18 +180,21 @@ TEST(Model, Fp8LatentCacheStaysClose) {
     std::normal_distribution<float> nd;
     std::vector<float> x(T * D), ya(T * D), yb(T * D);
     for (float& v : x) v = nd(rng);
-    MlaLayerCache ca, cb;
-    ref.forward(x.data(), T, ca, ya.data());
-    fp8.forward(x.data(), T, cb, yb.data());
+    LayerPages ca{ref}, cb{fp8};
+    ref.forward(x.data(), T, ca.next(T), ya.data());
+    const TokenPages fp8_pages = cb.next(T);
+    fp8.forward(x.data(), T, fp8_pages, yb.data());
     const double e = rel_err(yb, ya);
     EXPECT_GT(e, 1e-4) << arch_name(arch);
     EXPECT_LT(e, 0.08) << arch_name(arch);
     // Every cached value is an e4m3 value times the layer's scale (kimi) or its tile's power-of-two scale
     // (deepseek, whose k_pe tail is bf16 instead).
     const int C = cfg.kv_lora_rank;
+    std::vector<float> cached(T * (C + cfg.qk_rope_head_dim));
+    fp8.read_latent(fp8_pages, T, cached.data());
     for (int64_t t = 0; t < T; ++t)
       for (int i = 0; i < C; ++i) {
-        const float v = cb.rows[t * (C + cfg.qk_rope_head_dim) + i];
+        const float v = cached[t * (C + cfg.qk_rope_head_dim) + i];
         int e2;
         const float m = std::frexp(v, &e2);
         EXPECT_EQ(m * 16.0f, std::round(m * 16.0f)) << "value " << v << " has more than e4m3's 4 significant bits";
