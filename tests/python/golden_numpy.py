@@ -9,7 +9,8 @@ FP8 quantisation and score accumulation), which are emulated bit for bit so that
 
 Public API:
     forward(ckpt_dir, token_ids) -> np.ndarray [len(token_ids), vocab]   (float64 logits, causal prefill)
-    load_model(ckpt_dir) -> Model;  Model.forward(token_ids) -> logits
+    load_model(ckpt_dir) -> Model;  Model.forward(token_ids, audit=None) -> logits
+    Audit(margin): collects the top-k decisions that fp32 rounding could legitimately flip
 plus the format helpers (e4m3, e2m1, bf16, ue8m0 FP8 blocks, Hadamard) and a numpy-only safetensors reader.
 """
 
@@ -332,6 +333,8 @@ class Config:
         self.top_k = _first_present(cfg, ["num_experts_per_tok", "num_experts_per_token"])
         self.n_shared = _first_present(cfg, ["n_shared_experts", "num_shared_experts"], 0)
         self.n_group = _first_present(cfg, ["n_group", "num_expert_group"], 1)
+        if cfg.get("use_grouped_topk") is False:
+            self.n_group = 1
         self.topk_group = _first_present(cfg, ["topk_group"], 1)
         self.routed_scale = float(_first_present(cfg, ["routed_scaling_factor"], 1.0))
         self.renormalize = bool(_first_present(cfg, ["norm_topk_prob", "moe_renormalize"], True))
@@ -425,6 +428,105 @@ def topk_rank(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Conditioning audit
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Audit:
+    """Collects the discrete decisions of a forward pass (indexer top-k, MoE expert and group choice) that an
+    fp32 implementation of the same math could legitimately take the other way.
+
+    The golden model runs in fp64. An fp32 implementation differs from it by rounding noise; on the indexer
+    inputs that noise reaches ~1e-6 of the block's amax. Where it can move one input across an e4m3 rounding
+    midpoint (or a block scale across a power of two) and that changes a top-k set, or where two candidates'
+    scores are closer than the noise, the two implementations may select differently while both follow the
+    spec, and their logits then differ far beyond rounding. Such an input cannot serve as a golden comparison;
+    tests pick inputs for which the audit stays empty. margin bounds the fp32-vs-fp64 difference, relative to the
+    block amax (indexer inputs) or to the compared values (scores, router scores)."""
+
+    def __init__(self, margin: float = 5e-6):
+        self.margin = margin
+        self.events = []  # (layer, kind, position, detail)
+        self.layer = None
+
+    def add(self, kind: str, position: int, detail: str):
+        self.events.append((self.layer, kind, int(position), detail))
+
+
+_E4M3_FINITE = np.unique(E4M3_TABLE[np.isfinite(E4M3_TABLE)])
+
+
+def fp8_code_range(x, scale, margin):
+    """For an FP8 ue8m0 block quantisation (blocks along the last axis) of x with the given scales: the lowest and
+    highest code value each input could round to when perturbed by margin * amax, and whether a block's scale
+    could change (amax * 1/448 within that margin of a power of two)."""
+    x32 = np.asarray(x, dtype=np.float32).astype(np.float64)
+    amax = np.maximum(np.max(np.abs(x32), axis=-1), 1e-4)
+    s = np.asarray(scale, dtype=np.float64)
+    window = (margin * amax / s)[..., None]
+    r = x32 / s[..., None]
+    lo = e4m3_round(np.clip(r - window, -E4M3_MAX, E4M3_MAX))
+    hi = e4m3_round(np.clip(r + window, -E4M3_MAX, E4M3_MAX))
+    raw = amax * float(F32_INV_448)
+    scale_fragile = round_up_pow2_f32(raw * (1 - margin)) != round_up_pow2_f32(raw * (1 + margin))
+    return lo, hi, scale_fragile
+
+
+def _other_codes(code, lo, hi):
+    return [float(v) for v in _E4M3_FINITE[(_E4M3_FINITE >= lo) & (_E4M3_FINITE <= hi)] if v != code]
+
+
+def audit_indexer(audit: Audit, topk: int, q, q_codes, q_scale, k, k_codes, k_scale, gate, scores):
+    """Records the query rows whose top-k set an fp32 implementation could choose differently: a block scale
+    within the margin of a power of two; one e4m3 code that the margin could change and whose change alters the
+    selection (each such code is tried on its own); or a k-th/(k+1)-th score gap within the margin."""
+    T = q_codes.shape[0]
+    m = audit.margin
+    q_lo, q_hi, q_scale_fragile = fp8_code_range(q, q_scale, m)
+    k_lo, k_hi, k_scale_fragile = fp8_code_range(k, k_scale, m)
+    for t in np.nonzero(q_scale_fragile.any(axis=1))[0]:
+        audit.add("indexer-q-scale", t, "block scale within the margin of a power of two")
+    for s_ in np.nonzero(k_scale_fragile)[0]:
+        audit.add("indexer-k-scale", s_, "block scale within the margin of a power of two")
+
+    def selection(row_scores, t):
+        return set(topk_rank(row_scores[: t + 1], topk).tolist())
+
+    decided = range(topk, T)  # rows with more candidates than topk; earlier rows select everything
+    base = {t: selection(scores[t], t) for t in decided}
+    for t in decided:
+        order = np.sort(scores[t, : t + 1].astype(np.float64))[::-1]
+        gap = order[topk - 1] - order[topk]
+        if 0 < gap <= m * max(abs(order[topk - 1]), abs(order[topk])):
+            audit.add("indexer-topk", t, f"k-th score {order[topk - 1]:.9g} vs next {order[topk]:.9g}")
+        for j, d in zip(*np.nonzero((q_lo[t] != q_codes[t]) | (q_hi[t] != q_codes[t]))):
+            for alt in _other_codes(q_codes[t, j, d], q_lo[t, j, d], q_hi[t, j, d]):
+                qc = q_codes[t : t + 1].copy()
+                qc[0, j, d] = alt
+                new = indexer_scores(qc, q_scale[t : t + 1], k_codes[: t + 1], k_scale[: t + 1], gate[t : t + 1])
+                if selection(new[0], t) != base[t]:
+                    audit.add("indexer-q-code", t, f"head {j} dim {d}: code {q_codes[t, j, d]:g} or {alt:g}")
+    for s_, d in zip(*np.nonzero((k_lo != k_codes) | (k_hi != k_codes))):
+        for alt in _other_codes(k_codes[s_, d], k_lo[s_, d], k_hi[s_, d]):
+            kc = k_codes.copy()
+            kc[s_, d] = alt
+            new = indexer_scores(q_codes, q_scale, kc, k_scale, gate)
+            for t in decided:
+                if t >= s_ and selection(new[t], t) != base[t]:
+                    audit.add("indexer-k-code", t, f"key {s_} dim {d}: code {k_codes[s_, d]:g} or {alt:g}")
+
+
+def audit_ranking(audit: Audit, kind: str, position: int, values, k: int):
+    """Records a top-k choice whose k-th and (k+1)-th values are within the margin of each other."""
+    order = np.sort(values[np.isfinite(values)])[::-1]
+    if order.size <= k:
+        return
+    gap = order[k - 1] - order[k]
+    if gap <= audit.margin * max(abs(order[k - 1]), abs(order[k]), 1e-30):
+        audit.add(kind, position, f"k-th {order[k - 1]:.9g} vs next {order[k]:.9g}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Mixers and FFNs
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -446,7 +548,7 @@ def indexer_scores(q_codes, q_scale, k_codes, k_scale, gate):
     return (np.asarray(k_scale, dtype=np.float32)[None, :] * acc).astype(np.float32)
 
 
-def indexer_select(cfg: Config, ck: Checkpoint, p: str, x, qr, positions, freqs):
+def indexer_select(cfg: Config, ck: Checkpoint, p: str, x, qr, positions, freqs, audit=None):
     """DSA lightning indexer for one layer over a causal prefill. Returns a bool mask [T, T] of selected keys."""
     T = x.shape[0]
     HI, D, R = cfg.index_heads, cfg.index_dim, cfg.d_rope
@@ -470,6 +572,8 @@ def indexer_select(cfg: Config, ck: Checkpoint, p: str, x, qr, positions, freqs)
     for t in range(T):
         k_eff = min(cfg.index_topk, t + 1)
         mask[t, topk_rank(scores[t, : t + 1], k_eff)] = True
+    if audit is not None:
+        audit_indexer(audit, cfg.index_topk, q, q_codes, q_scale, k, k_codes, k_scale, gate, scores)
     return mask
 
 
@@ -488,7 +592,7 @@ def mla_attention_mha(q_nope, q_pe, c, k_pe, w_kvb, allowed, scale):
     return np.einsum("hts,shd->thd", prob, v)
 
 
-def mla_layer(cfg: Config, ck: Checkpoint, p: str, x, positions, freqs):
+def mla_layer(cfg: Config, ck: Checkpoint, p: str, x, positions, freqs, audit=None):
     """MLA in the non-absorbed form: per head k = [W_UK c ; k_pe], v = W_UV c, over all cached latents."""
     T = x.shape[0]
     H, dn, dr, dv, C = cfg.n_heads, cfg.d_nope, cfg.d_rope, cfg.d_v, cfg.kv_lora_rank
@@ -509,7 +613,7 @@ def mla_layer(cfg: Config, ck: Checkpoint, p: str, x, positions, freqs):
 
     allowed = np.tril(np.ones((T, T), dtype=bool))
     if cfg.has_indexer:
-        allowed &= indexer_select(cfg, ck, p, x, qr, positions, freqs)
+        allowed &= indexer_select(cfg, ck, p, x, qr, positions, freqs, audit)
     o = mla_attention_mha(q_nope, q_pe, c, k_pe, ck.weight(p + "kv_b_proj"), allowed, cfg.softmax_scale)
     return linear(o.reshape(T, H * dv), ck.weight(p + "o_proj"))
 
@@ -577,7 +681,7 @@ def swiglu(ck: Checkpoint, gate: str, up: str, down: str, x):
     return linear(silu(linear(x, ck.weight(gate))) * linear(x, ck.weight(up)), ck.weight(down))
 
 
-def route(cfg: Config, logits, bias):
+def route(cfg: Config, logits, bias, audit=None):
     """Sigmoid router: selection by s + bias (grouped when n_group > 1), weights from the unbiased s.
     Returns (expert ids [T, k], weights [T, k])."""
     T, E = logits.shape
@@ -591,11 +695,15 @@ def route(cfg: Config, logits, bias):
             groups = sel_scores.reshape(cfg.n_group, E // cfg.n_group)
             group_score = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
             keep = topk_rank(group_score, cfg.topk_group)
+            if audit is not None:
+                audit_ranking(audit, "moe-group", t, group_score, cfg.topk_group)
             dropped = np.ones(cfg.n_group, dtype=bool)
             dropped[keep] = False
             groups = np.where(dropped[:, None], -np.inf, groups)
             sel_scores = groups.reshape(E)
         chosen = topk_rank(sel_scores, cfg.top_k)
+        if audit is not None:
+            audit_ranking(audit, "moe-expert", t, sel_scores, cfg.top_k)
         w = s[t, chosen]
         if cfg.renormalize:
             w = w / w.sum()
@@ -604,11 +712,11 @@ def route(cfg: Config, logits, bias):
     return ids, wts
 
 
-def moe_layer(cfg: Config, ck: Checkpoint, p: str, x):
+def moe_layer(cfg: Config, ck: Checkpoint, p: str, x, audit=None):
     logits = linear(x, ck.weight(p + "gate"))
     bias_name = p + "gate.e_score_correction_bias"
     bias = ck.tensor(bias_name) if ck.has(bias_name) else None
-    ids, wts = route(cfg, logits, bias)
+    ids, wts = route(cfg, logits, bias, audit)
     out = np.zeros_like(x)
     names = ("w1", "w3", "w2") if cfg.is_kimi else ("gate_proj", "up_proj", "down_proj")
     for e in np.unique(ids):
@@ -634,7 +742,9 @@ class Model:
         self.ck = Checkpoint(ckpt_dir)
         self.freqs = rope_frequencies(self.cfg) if self.cfg.use_rope else None
 
-    def forward(self, token_ids) -> np.ndarray:
+    def forward(self, token_ids, audit: Audit | None = None) -> np.ndarray:
+        """Logits [len(token_ids), vocab] of a causal prefill. With an Audit, records the decisions that fp32
+        rounding could flip (see Audit)."""
         cfg, ck = self.cfg, self.ck
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= cfg.vocab:
@@ -643,14 +753,16 @@ class Model:
         h = ck.tensor("model.embed_tokens.weight")[ids]
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
+            if audit is not None:
+                audit.layer = i
             x = rms_norm(h, ck.tensor(p + "input_layernorm.weight"), cfg.eps)
             if cfg.layer_kinds[i] == "kda":
                 h = h + kda_layer(cfg, ck, p + "self_attn.", x)
             else:
-                h = h + mla_layer(cfg, ck, p + "self_attn.", x, positions, self.freqs)
+                h = h + mla_layer(cfg, ck, p + "self_attn.", x, positions, self.freqs, audit)
             x = rms_norm(h, ck.tensor(p + "post_attention_layernorm.weight"), cfg.eps)
             if cfg.is_moe_layer(i):
-                h = h + moe_layer(cfg, ck, p + ("block_sparse_moe." if cfg.is_kimi else "mlp."), x)
+                h = h + moe_layer(cfg, ck, p + ("block_sparse_moe." if cfg.is_kimi else "mlp."), x, audit)
             else:
                 h = h + swiglu(ck, p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", x)
         h = rms_norm(h, ck.tensor("model.norm.weight"), cfg.eps)

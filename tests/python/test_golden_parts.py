@@ -462,3 +462,46 @@ def test_forward_is_causal_and_finite(tmp_path, arch):
     other = ids.copy()
     other[2] = (other[2] + 1) % cfg["vocab_size"]
     assert np.max(np.abs(model.forward(other)[3:] - full[3:])) > 1e-6
+
+
+# ---------------------------------------------------------------- conditioning audit
+
+
+def test_fp8_code_range_near_a_midpoint():
+    x = np.zeros(32)
+    x[0] = 448.0 * 2.0**-8  # amax 1.75 -> 1.75 * fp32(1/448) = 2^-8 exactly -> a block scale at a power of two
+    x[1] = 136.0 * 2.0**-8 + 1e-7  # just above the midpoint of the codes 128 and 144
+    x[2] = 98.0 * 2.0**-8  # between the codes 96 and 104, 2 away from their midpoint 100
+    codes, scale = g.quantize_fp8_ue8m0(x)
+    lo, hi, scale_fragile = g.fp8_code_range(x, scale, 1e-5)
+    assert codes[1] == 144.0 and lo[1] == 128.0 and hi[1] == 144.0
+    assert lo[2] == hi[2] == codes[2] == 96.0
+    lo0, hi0, _ = g.fp8_code_range(x, scale, 0.0)
+    np.testing.assert_array_equal(lo0, codes)
+    np.testing.assert_array_equal(hi0, codes)
+    assert scale_fragile  # amax / 448 sits exactly on a power of two
+
+
+def test_audit_ranking_threshold():
+    audit = g.Audit(1e-3)
+    audit_vals = np.array([1.0, 0.9995, 0.5])
+    g.audit_ranking(audit, "moe-expert", 3, audit_vals, 1)
+    g.audit_ranking(audit, "moe-expert", 4, audit_vals, 2)
+    assert [e[2] for e in audit.events] == [3]
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "deepseek_v32"])
+def test_audit_flags_only_with_a_margin(tmp_path, arch):
+    rng = np.random.default_rng(12)
+    cfg = _synthetic_checkpoint(tmp_path / arch, arch, rng)
+    model = g.load_model(str(tmp_path / arch))
+    ids = rng.integers(0, cfg["vocab_size"], size=24)
+    plain = model.forward(ids)
+    exact = g.Audit(0.0)
+    np.testing.assert_array_equal(model.forward(ids, exact), plain)  # auditing does not change the result
+    assert exact.events == []
+    loose = g.Audit(0.01)
+    model.forward(ids, loose)
+    kinds = {e[1] for e in loose.events}
+    assert kinds & {"indexer-q-code", "indexer-k-code", "indexer-topk"}
+    assert all(e[2] >= cfg["index_topk"] for e in loose.events if e[1].startswith("indexer-") and "scale" not in e[1])
