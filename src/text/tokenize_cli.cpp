@@ -1,19 +1,23 @@
 #include "text/tokenize_cli.h"
 
+#include <fstream>
 #include <iostream>
+#include <map>
+#include <memory>
 #include <string>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "text/chat_template.h"
 #include "text/detokenizer.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
 
 namespace kestrel::text {
 
-using nlohmann::json;
+using nlohmann::ordered_json;
 
 std::string quote_token_bytes(const std::string& bytes) {
   std::string out = "\"";
@@ -60,66 +64,108 @@ std::string hex_decode(const std::string& h) {
   return out;
 }
 
-std::string request_text(const json& r) {
+std::string request_text(const ordered_json& r) {
   if (r.contains("hex")) return hex_decode(r["hex"].get<std::string>());
   return r.at("text").get<std::string>();
 }
 
-json answer(const Tokenizer& tok, const json& r) {
-  const std::string op = r.at("op").get<std::string>();
-  if (op == "encode") {
-    EncodeOptions o;
-    o.parse_special = r.value("parse_special", true);
-    o.add_special_tokens = r.value("add_special_tokens", false);
-    return {{"ids", tok.encode(request_text(r), o)}};
+struct Session {
+  const TokenizeArgs& args;
+  const Tokenizer& tok;
+  std::unique_ptr<ChatTemplate> model_template;
+  std::map<std::string, std::unique_ptr<ChatTemplate>> templates;
+
+  const ChatTemplate& model_chat_template() {
+    if (!model_template)
+      model_template = std::make_unique<ChatTemplate>(ChatTemplate::from_model_dir(args.model_dir, args.chat_template));
+    return *model_template;
   }
-  if (op == "decode") {
-    const auto ids = r.at("ids").get<std::vector<int32_t>>();
-    return {{"text", tok.decode(ids, r.value("skip_special", false))}};
+  const ChatTemplate& template_for(const std::string& source) {
+    auto& t = templates[source];
+    if (!t) t = std::make_unique<ChatTemplate>(source);
+    return *t;
   }
-  if (op == "stream") {
-    // What a streaming client sees after each token: the released chunk and the text still held back.
-    const auto ids = r.at("ids").get<std::vector<int32_t>>();
-    IncrementalDetokenizer d(tok, r.value("skip_special", false));
-    json chunks = json::array(), pending = json::array();
-    for (int32_t id : ids) {
-      chunks.push_back(d.push(id));
-      pending.push_back(d.pending_text());
+
+  ordered_json answer(const ordered_json& r) {
+    const std::string op = r.at("op").get<std::string>();
+    if (op == "encode") {
+      EncodeOptions o;
+      o.parse_special = r.value("parse_special", true);
+      o.add_special_tokens = r.value("add_special_tokens", false);
+      return {{"ids", tok.encode(request_text(r), o)}};
     }
-    return {{"chunks", chunks}, {"pending", pending}};
+    if (op == "decode") {
+      const auto ids = r.at("ids").get<std::vector<int32_t>>();
+      return {{"text", tok.decode(ids, r.value("skip_special", false))}};
+    }
+    if (op == "stream") {
+      // What a streaming client sees after each token: the released chunk and the text still held back.
+      const auto ids = r.at("ids").get<std::vector<int32_t>>();
+      IncrementalDetokenizer d(tok, r.value("skip_special", false));
+      ordered_json chunks = ordered_json::array(), pending = ordered_json::array();
+      for (int32_t id : ids) {
+        chunks.push_back(d.push(id));
+        pending.push_back(d.pending_text());
+      }
+      return {{"chunks", chunks}, {"pending", pending}};
+    }
+    if (op == "render") {
+      // An explicit template and context, rendered with the chat-template environment.
+      return {{"text", template_for(r.at("template").get<std::string>()).render_context(r.value("context", ordered_json::object()))}};
+    }
+    if (op == "chat") {
+      const ordered_json tools = r.contains("tools") ? r["tools"] : ordered_json(nullptr);
+      const ordered_json extra = r.contains("extra") ? r["extra"] : ordered_json(nullptr);
+      const std::string text = model_chat_template().render(r.at("messages"), tools, r.value("add_generation_prompt", false), extra);
+      return {{"text", text}, {"ids", tok.encode(text)}};
+    }
+    fail("unknown op '{}'", op);
   }
-  fail("unknown op '{}'", op);
-}
+};
 
 }  // namespace
 
 int run_tokenize(const TokenizeArgs& a, std::istream& in, std::ostream& out) {
   const Tokenizer tok = Tokenizer::load(a.model_dir);
+  Session session{a, tok, nullptr, {}};
   if (a.jsonl) {
     std::string line;
     while (std::getline(in, line)) {
       if (line.empty()) continue;
-      json reply;
+      ordered_json reply;
       try {
-        reply = answer(tok, json::parse(line));
+        reply = session.answer(ordered_json::parse(line));
       } catch (const std::exception& e) {
         reply = {{"error", e.what()}};
       }
-      out << reply.dump(-1, ' ', true, json::error_handler_t::replace) << '\n';
+      out << reply.dump(-1, ' ', true, ordered_json::error_handler_t::replace) << '\n';
       out.flush();
     }
     return 0;
   }
+  std::string text = a.text;
+  if (!a.messages_file.empty()) {
+    std::ifstream f(a.messages_file);
+    if (!f) fail("cannot read {}", a.messages_file);
+    ordered_json messages;
+    try {
+      messages = ordered_json::parse(f);
+    } catch (const ordered_json::exception& e) {
+      fail("{} is not valid JSON: {}", a.messages_file, e.what());
+    }
+    text = session.model_chat_template().render(messages, nullptr, true);
+    out << "rendered: " << quote_token_bytes(text) << "\n";
+  }
   EncodeOptions o;
   o.parse_special = !a.no_special;
   o.add_special_tokens = a.add_special_tokens;
-  const std::vector<int32_t> ids = tok.encode(a.text, o);
+  const std::vector<int32_t> ids = tok.encode(text, o);
   out << "ids: [";
   for (size_t i = 0; i < ids.size(); ++i) out << (i ? ", " : "") << ids[i];
   out << "]\n";
   for (int32_t id : ids)
     out << fmt::format("{:>8}  {}{}\n", id, quote_token_bytes(tok.token_bytes(id)), tok.is_special(id) ? "  (special)" : "");
-  out << fmt::format("{} tokens, {} bytes\n", ids.size(), a.text.size());
+  out << fmt::format("{} tokens, {} bytes\n", ids.size(), text.size());
   return 0;
 }
 

@@ -13,6 +13,8 @@ struct TokenizeArgs {
   bool add_special_tokens = false;  // --add-special-tokens: apply the post-processor (e.g. BOS)
   bool jsonl = false;             // --jsonl: read one JSON request per line from `in`, answer one line each
   std::string chat_template;      // --chat-template FILE: overrides tokenizer_config.json's template
+  std::string messages_file;      // --messages FILE: a JSON list of chat messages, rendered with the chat
+                                  // template (add_generation_prompt) and then encoded instead of --text
 };
 
 // Returns the process exit code. Errors a user can cause throw kestrel::Error, except in --jsonl mode, where a

@@ -1,0 +1,134 @@
+// Hand-worked tests of the Jinja interpreter and the chat-template environment. (Equality with Python jinja2 on
+// many templates and message lists is checked by tests/python/test_text_template.py.)
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "text/chat_template.h"
+#include "text/jinja.h"
+
+namespace kestrel::text {
+namespace {
+
+using nlohmann::ordered_json;
+
+std::string render(const std::string& src, const ordered_json& ctx = ordered_json::object(), jinja::Options o = {}) {
+  jinja::DictData d;
+  for (const auto& [k, v] : ctx.items()) d.set(k, jinja::Value::from_json(v));
+  return jinja::Template(src, o).render(d);
+}
+
+std::string error_of(const std::string& src, const ordered_json& ctx = ordered_json::object()) {
+  try {
+    render(src, ctx);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Jinja, ExpressionsFollowPython) {
+  EXPECT_EQ(render("{{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 ** 5 }} {{ 1 + 2 * 3 }}"), "3 -4 2 3.5 32 7");
+  EXPECT_EQ(render("{{ 0.1 + 0.2 }} {{ 1e16 }} {{ 1e-5 }} {{ 0.0001 }} {{ 3.0 }} {{ 2.5e-300 }}"),
+            "0.30000000000000004 1e+16 1e-05 0.0001 3.0 2.5e-300");
+  EXPECT_EQ(render("{{ none }} {{ true }} {{ [1, 'a', none] }} {{ {'k': 'it\\'s'} }} {{ (1,) }}"),
+            "None True [1, 'a', None] {'k': \"it's\"} (1,)");
+  EXPECT_EQ(render("{{ 'a' ~ 1 ~ none }} {{ 'ab' * 2 }} {{ [1] + [2] }} {{ 1 < 2 < 3 }} {{ 3 > 2 > 2 }}"),
+            "a1None abab [1, 2] True False");
+  EXPECT_EQ(render("{{ x or 'd' }} {{ 0 and 'no' }} {{ 'y' if x else 'n' }} {{ not x }}"), "d 0 n True");
+  EXPECT_EQ(render("{{ 'héllo wörld'[1:4] }} {{ 'héllo'|length }} {{ 'abc'[::-1] }} {{ [1,2,3][-1] }}"),
+            "éll 5 cba 3");
+}
+
+TEST(Jinja, WhitespaceControlAsJinja2) {
+  // trim_blocks drops the newline after a block tag; lstrip_blocks drops indentation before it.
+  jinja::Options hf;
+  hf.trim_blocks = hf.lstrip_blocks = true;
+  EXPECT_EQ(render("a\n  {% if true %}\n  b\n  {% endif %}\nc", {}, hf), "a\n  b\nc");
+  EXPECT_EQ(render("a\n  {% if true %}\n  b\n  {% endif %}\nc"), "a\n  \n  b\n  \nc");
+  EXPECT_EQ(render("a  {{- 'b' -}}  \n c"), "abc");
+  EXPECT_EQ(render("x {#- note -#} y"), "xy");
+  EXPECT_EQ(render("  {%+ if true %}k{% endif %}", {}, hf), "  k");
+  EXPECT_EQ(render("{% raw %}{{ x }}{% endraw %}"), "{{ x }}");
+  EXPECT_EQ(render("last line\n"), "last line");  // jinja2 drops one trailing newline
+}
+
+TEST(Jinja, LoopsScopesAndNamespaces) {
+  EXPECT_EQ(render("{% for x in [1,2,3] %}{{ loop.index }}{{ loop.first }}{{ loop.last }}{{ loop.length }},{% endfor %}"),
+            "1TrueFalse3,2FalseFalse3,3FalseTrue3,");
+  EXPECT_EQ(render("{% for x in [1,2,3,4] if x is even %}{{ x }}{{ loop.index }}{% endfor %}"), "2142");
+  EXPECT_EQ(render("{% for x in [] %}a{% else %}empty{% endfor %}"), "empty");
+  // A set inside a loop stays in the loop; a namespace carries state out.
+  EXPECT_EQ(render("{% set a = 0 %}{% set ns = namespace(a=0) %}{% for x in [1,2] %}{% set a = x %}"
+                   "{% set ns.a = ns.a + x %}{% endfor %}{{ a }} {{ ns.a }}"),
+            "0 3");
+  EXPECT_EQ(render("{% for k, v in {'a': 1, 'b': 2}.items() %}{{ k }}{{ v }}{% endfor %}"), "a1b2");
+  EXPECT_EQ(render("{% for x in [1,2,3,4] %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 4 %}{% break %}"
+                   "{% endif %}{{ x }}{% endfor %}"),
+            "13");
+  EXPECT_EQ(render("{% for a in [1,2] %}{% for b in [3] %}{{ loop.depth }}{% endfor %}{{ loop.depth }}{% endfor %}"),
+            "2121");
+}
+
+TEST(Jinja, MacrosFiltersAndTests) {
+  EXPECT_EQ(render("{% macro m(a, b='x') %}[{{ a }}{{ b }}]{% endmacro %}{{ m(1) }}{{ m(2, 'y') }}{{ m(b='z', a=3) }}"),
+            "[1x][2y][3z]");
+  EXPECT_EQ(render("{{ ' a ' | trim }}|{{ [3,1,2] | sort | join(',') }}|{{ 'x' | upper }}|{{ [1,2] | length }}"),
+            "a|1,2,3|X|2");
+  EXPECT_EQ(render("{{ m | selectattr('r', 'equalto', 'u') | map(attribute='c') | join }}",
+                   {{"m", {{{"r", "u"}, {"c", "A"}}, {{"r", "a"}, {"c", "B"}}, {{"r", "u"}, {"c", "C"}}}}}),
+            "AC");
+  EXPECT_EQ(render("{{ x is defined }} {{ y is none }} {{ 3 is odd }} {{ 'a' is string }} {{ y is not none }}",
+                   {{"y", nullptr}}),
+            "False True True True False");
+  EXPECT_EQ(render("{{ d | tojson }}|{{ d | tojson(separators=(',', ':')) }}|{{ d | tojson(indent=1) }}",
+                   {{"d", {{"b", "é\n"}, {"a", {1, 2.5, nullptr, true}}}}}),
+            "{\"b\": \"é\\n\", \"a\": [1, 2.5, null, true]}|{\"b\":\"é\\n\",\"a\":[1,2.5,null,true]}|"
+            "{\n \"b\": \"é\\n\",\n \"a\": [\n  1,\n  2.5,\n  null,\n  true\n ]\n}");
+  EXPECT_EQ(render("{{ d | tojson(ensure_ascii=true) }}", {{"d", "é😀"}}), "\"\\u00e9\\ud83d\\ude00\"");
+  EXPECT_EQ(render("{{ 'a,b,c'.split(',')[1] }} {{ ' x '.strip() }} {{ 'abc'.startswith('ab') }} {{ 'a-b'.replace('-', '+') }}"),
+            "b x True a+b");
+  EXPECT_EQ(render("{{ d.get('k', 5) }} {{ d.get('z') }} {{ d.keys() | list }}", {{"d", {{"k", 1}}}}), "1 None ['k']");
+  EXPECT_EQ(render("{% set x %}in{{ 1 }}{% endset %}{{ x }}{% filter upper %}up{% endfilter %}"), "in1UP");
+  EXPECT_EQ(render("{% generation %}kept{% endgeneration %}"), "kept");
+}
+
+TEST(Jinja, ErrorsNameTheProblemAndLine) {
+  EXPECT_NE(error_of("a\n{% frob %}").find("line 2: unknown or unsupported tag 'frob'"), std::string::npos);
+  EXPECT_NE(error_of("{{ x | nope }}").find("no filter named 'nope'"), std::string::npos);
+  EXPECT_NE(error_of("{{ x is nope }}").find("no test named 'nope'"), std::string::npos);
+  EXPECT_NE(error_of("{% if x %}").find("expected 'endif'"), std::string::npos);
+  EXPECT_NE(error_of("{{ 'unterminated }}").find("unterminated string"), std::string::npos);
+  EXPECT_NE(error_of("x\n\n{{ 'a' + 1 }}").find("line 3: unsupported operand type(s) for +: 'str' and 'int'"),
+            std::string::npos);
+  EXPECT_NE(error_of("{{ f() }}").find("'f' is undefined"), std::string::npos);
+  EXPECT_NE(error_of("{{ x.y.z }}").find("'x' is undefined"), std::string::npos);
+  EXPECT_NE(error_of("{% break %}").find("'break' outside of a loop"), std::string::npos);
+  EXPECT_NE(error_of("{% for x in range(100000000) %}{% endfor %}").find("range too large"), std::string::npos);
+  EXPECT_THROW(jinja::Template("{{ 'bad \xFF' }}"), Error);
+}
+
+TEST(ChatTemplate, TransformersEnvironment) {
+  const ordered_json cfg = {{"bos_token", "<s>"}, {"eos_token", {{"content", "</s>"}}}};
+  const ChatTemplate t(
+      "{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+      "{{ raise_exception('bad role ' ~ m.role) }}{% endif %}\n"
+      "  {% if m.role == 'user' %}U:{{ m.content }}\n{% else %}A:{{ m.content }}{{ eos_token }}\n{% endif %}"
+      "{% endfor %}{% if tools is none %}no tools{% endif %}{% if add_generation_prompt %}A:{% endif %}",
+      cfg);
+  const ordered_json msgs = {{{"role", "user"}, {"content", "hi"}}, {{"role", "assistant"}, {"content", "yo"}}};
+  EXPECT_EQ(t.render(msgs, nullptr, true), "<s>U:hi\nA:yo</s>\nno toolsA:");
+  const ordered_json bad = {{{"role", "robot"}, {"content", "x"}}};
+  try {
+    t.render(bad, nullptr, false);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("chat template raised an exception: bad role robot"), std::string::npos);
+  }
+  EXPECT_THROW(t.render(ordered_json::object(), nullptr, false), Error);
+}
+
+}  // namespace
+}  // namespace kestrel::text
