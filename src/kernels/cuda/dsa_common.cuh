@@ -1,0 +1,100 @@
+// Shared pieces of the DSA kernels (dsa_*.cu): argument checks, page addressing and the warp-level tensor-core
+// instructions they use.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/dsa.h"
+#include "kernels/cuda/runtime.h"
+
+namespace kestrel::cuda::dsa {
+
+// Argument checks of the host entry points. kestrel::fail cannot be used here (nvcc rejects fmt's consteval
+// format strings), so a failed check goes through cuda::check, which throws kestrel::Error with `what` in it.
+inline void require(bool ok, const std::string& what) {
+  if (!ok) check(cudaErrorInvalidValue, what.c_str());
+}
+
+inline void check_pages(const Pages& p, const char* fn) {
+  require(p.base != nullptr && p.page_stride > 0 && p.page_size > 0 && (p.page_size & (p.page_size - 1)) == 0,
+          std::string(fn) + ": pages need a base, a positive page stride and a power-of-two page size, got size " +
+              std::to_string(p.page_size));
+}
+
+inline int device_sm_count() {
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms;
+}
+
+// Address of the row of request `req` at `pos` inside its page (rows of `row_bytes` from the page start).
+__device__ __forceinline__ const uint8_t* page_row(const Pages& pages, const BlockTable& bt, int req, int pos,
+                                                   int row_bytes) {
+  const int page = bt.pages[static_cast<int64_t>(req) * bt.stride + pos / pages.page_size];
+  return pages.base + static_cast<int64_t>(page) * pages.page_stride +
+         static_cast<int64_t>(pos & (pages.page_size - 1)) * row_bytes;
+}
+
+// ---- tensor-core instructions (PTX ISA, warp-level mma.sync). Fragment layouts, with g = lane / 4 and
+// t = lane % 4: A (16 x K, row major) rows g and g + 8; B (K x 8, column major) column g; C/D (16 x 8) rows g, g + 8
+// and columns 2t, 2t + 1.
+
+// D += A * B, s8 x s8 -> s32, m16n8k32. a[r]: 4 bytes of A (r = 0: row g, k 4t..4t+3; 1: row g+8; 2: row g,
+// k 16+4t..; 3: row g+8, k 16+4t..); b[r]: 4 bytes of column g (r = 0: k 4t..4t+3; 1: k 16+4t..).
+__device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The same shape on e4m3 codes with fp32 accumulation (sm_89 and later).
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D += A * B, bf16 x bf16 -> f32, m16n8k16. a[r]: two bf16 (r = 0: row g, k 2t, 2t+1; 1: row g+8; 2: row g,
+// k 8+2t..; 3: row g+8, k 8+2t..); b[r]: two bf16 of column g (r = 0: k 2t, 2t+1; 1: k 8+2t..).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives the row address of matrix l / 8, row l % 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte asynchronous copy global -> shared; with src_bytes = 0 the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// True when any of the four bytes is an e4m3 NaN code (0x7F or 0xFF).
+__device__ __forceinline__ bool has_e4m3_nan(uint32_t w) { return __vcmpeq4(w & 0x7F7F7F7Fu, 0x7F7F7F7Fu) != 0; }
+
+}  // namespace kestrel::cuda::dsa

@@ -1,0 +1,377 @@
+// Sparse MLA decode over an FP8 latent (Kimi's 576-byte rows: 576 e4m3 codes, one fp32 scale per layer).
+//
+// CTA: 256 threads (8 warps) for one query row, 64 heads and one split of the row's index list, walked in tiles
+// of 32 indices. Warp w owns heads 16 (w % 4) .. +15 and half h = w / 4 of the work: for the scores it multiplies
+// dims 288 h .. 288 h + 287 of the query and the key (the two partial 16 x 32 score tiles of a pair of warps are
+// added through shared memory in one fixed order, so both warps see the same scores), for the output it owns value
+// columns 256 h .. 256 h + 255 (a 16 x 256 fp32 accumulator in registers).
+//
+// Per tile: the 32 selected latent rows are gathered with cp.async into an FP8 staging buffer (two buffers: the
+// next tile is in flight while this one is used; invalid indices are zero-filled and masked), converted to bf16
+// (exact: every e4m3 value is a bf16 value) into a padded tile that ldmatrix reads conflict-free, then
+// S = Q K^T (bf16 MMA, fp32 accumulate), an online softmax in the log2 domain (with the -inf guards that keep
+// rows without any valid index at 0), P rounded to bf16, O += P V; the normaliser sums the unrounded P. The query tile stays in shared memory.
+//
+// When there are few rows the index list is split over several CTAs (flash-decoding); each split writes its
+// normalised partial output and lse, and a second kernel merges them by their lse.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/dsa_common.cuh"
+
+namespace kestrel::cuda::dsa {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kHeadsPerCta = 64;
+constexpr int kTile = 32;               // indices per tile
+constexpr int kRowElems = kLatentDim + 8;  // bf16 per shared row: 16 bytes of padding against bank conflicts
+constexpr int kHalfDims = kLatentDim / 2;  // score dims per warp half
+constexpr int kHalfCols = kLatentValueDim / 2;
+constexpr int kChunks = kLatentDim / 16;   // 16-byte pieces of an FP8 row
+
+struct MlaSmem {
+  alignas(16) uint16_t q[kHeadsPerCta][kRowElems];
+  alignas(16) uint16_t kv[kTile][kRowElems];
+  alignas(16) uint8_t stage[2][kTile][kLatentDim];
+  float s_part[2][4][4][4][32];  // [half][head tile][n8 tile][register][lane]
+  int valid[2][kTile];
+};
+
+struct MlaParams {
+  const uint16_t* q;
+  int n_q;
+  int heads;
+  const int32_t* indices;
+  int k;
+  const int32_t* ctx_lens;
+  Pages pages;
+  BlockTable bt;
+  float score_log2_scale;  // softmax_scale * kv_scale * log2(e)
+  float kv_scale;
+  int tiles_per_split;
+  int splits;
+  float* out;
+  float* lse;
+  float* part_o;    // [rows * heads, splits, 512] when splits > 1
+  float* part_lse;  // [rows * heads, splits]
+};
+
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __float22bfloat162_rn(f);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  MlaSmem& sm = *reinterpret_cast<MlaSmem*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int mt = warp & 3, half = warp >> 2;
+  const int g = lane >> 2, tq = lane & 3;
+  const int split = blockIdx.x, head0 = blockIdx.y * kHeadsPerCta, row = blockIdx.z;
+  const int req = row / p.n_q;
+  const int heads_here = min(kHeadsPerCta, p.heads - head0);
+  const bool active = mt * 16 < heads_here;
+  const int ctx = p.ctx_lens[req];
+  const int tiles = (p.k + kTile - 1) / kTile;
+  const int t_begin = split * p.tiles_per_split, t_end = min(tiles, t_begin + p.tiles_per_split);
+
+  const int32_t* row_indices = p.indices + int64_t{row} * p.k;
+  auto issue_tile = [&](int t, int buf) {
+    for (int u = tid; u < kTile * kChunks; u += kThreads) {
+      const int key = u / kChunks, chunk = u % kChunks;
+      const int j = t * kTile + key;
+      const int pos = j < p.k ? row_indices[j] : -1;
+      const bool ok = pos >= 0 && pos < ctx;
+      const uint8_t* src = ok ? page_row(p.pages, p.bt, req, pos, kLatentDim) + chunk * 16 : p.pages.base;
+      cp_async_16(&sm.stage[buf][key][chunk * 16], src, ok ? 16 : 0);
+      if (chunk == 0) sm.valid[buf][key] = ok;
+    }
+    cp_async_commit();
+  };
+  if (t_begin < t_end) issue_tile(t_begin, 0);
+
+  const uint4* q_src = reinterpret_cast<const uint4*>(p.q + (int64_t{row} * p.heads + head0) * kLatentDim);
+  for (int u = tid; u < kHeadsPerCta * (kLatentDim / 8); u += kThreads) {
+    const int h = u / (kLatentDim / 8), c = u % (kLatentDim / 8);
+    const uint4 v = h < heads_here ? q_src[u] : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(&sm.q[h][c * 8]) = v;
+  }
+
+  float o[kHalfCols / 8][4];
+#pragma unroll
+  for (int n = 0; n < kHalfCols / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+#pragma unroll 1
+  for (int t = t_begin; t < t_end; ++t) {
+    const int buf = (t - t_begin) & 1;
+    if (t + 1 < t_end) {
+      issue_tile(t + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    for (int u = tid; u < kTile * kChunks; u += kThreads) {
+      const int key = u / kChunks, chunk = u % kChunks;
+      const uint4 v = *reinterpret_cast<const uint4*>(&sm.stage[buf][key][chunk * 16]);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      uint32_t b[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        b[2 * i] = e4m3x2_to_bf16x2(static_cast<uint16_t>(w[i] & 0xFFFFu));
+        b[2 * i + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(w[i] >> 16));
+      }
+      uint4* dst = reinterpret_cast<uint4*>(&sm.kv[key][chunk * 16]);
+      dst[0] = make_uint4(b[0], b[1], b[2], b[3]);
+      dst[1] = make_uint4(b[4], b[5], b[6], b[7]);
+    }
+    __syncthreads();
+
+    float s[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    if (active) {
+#pragma unroll 2
+      for (int ks = 0; ks < kHalfDims / 16; ++ks) {
+        const int k0 = half * kHalfDims + ks * 16;
+        uint32_t a[4];
+        ldmatrix_x4(a, &sm.q[mt * 16 + (lane & 15)][k0 + (lane >> 4) * 8]);
+#pragma unroll
+        for (int n = 0; n < 4; n += 2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, &sm.kv[n * 8 + (lane & 7) + ((lane >> 4) << 3)][k0 + ((lane >> 3) & 1) * 8]);
+          mma_bf16(s[n], a, b[0], b[1]);
+          mma_bf16(s[n + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sm.s_part[half][mt][n][e][lane] = s[n][e];
+    }
+    __syncthreads();
+
+    if (active) {
+      // s[n][e]: head row g + 8 (e >> 1), index n * 8 + 2 tq + (e & 1) of the tile; scores in the log2 domain.
+      float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dot = sm.s_part[0][mt][n][e][lane] + sm.s_part[1][mt][n][e][lane];
+          s[n][e] = sm.valid[buf][n * 8 + 2 * tq + (e & 1)] ? dot * p.score_log2_scale : -INFINITY;
+          row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
+        }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xFFFFFFFFu, row_max[r], 1));
+        row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xFFFFFFFFu, row_max[r], 2));
+        const float m_new = fmaxf(m_run[r], row_max[r]);
+        // With no finite score yet every exponent below is exp2(-inf) = 0, never exp2(-inf - -inf).
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[r] = exp2f(m_run[r] - m_use[r]);
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+      }
+      uint32_t pa[2][4];  // P as the A fragments of the two 16-index k-steps
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        float pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pr[e] = exp2f(s[n][e] - m_use[e >> 1]);
+        pa[n >> 1][(n & 1) * 2] = pack_bf16(pr[0], pr[1]);
+        pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(pr[2], pr[3]);
+        // The normaliser sums the unrounded probabilities: lse stays accurate to fp32 rounding, and the output,
+        // sum(bf16(p) v) / sum(p), is off by at most 2^-9 max |v|.
+        l_run[0] += pr[0] + pr[1];
+        l_run[1] += pr[2] + pr[3];
+      }
+#pragma unroll
+      for (int n = 0; n < kHalfCols / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+        for (int n = 0; n < kHalfCols / 8; n += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, &sm.kv[kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8]
+                                     [half * kHalfCols + n * 8 + (lane >> 4) * 8]);
+          mma_bf16(o[n], pa[kk], b[0], b[1]);
+          mma_bf16(o[n + 1], pa[kk], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  if (!active) return;
+  const int64_t row_heads = int64_t{row} * p.heads;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 2);
+    const int h = mt * 16 + g + 8 * r;
+    if (h >= heads_here) continue;
+    const float inv = l_run[r] > 0.0f ? p.kv_scale / l_run[r] : 0.0f;
+    const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * 0.69314718055994531f : -INFINITY;
+    const int64_t hq = row_heads + head0 + h;
+    float* dst = p.splits == 1 ? p.out + hq * kLatentValueDim
+                               : p.part_o + (hq * p.splits + split) * kLatentValueDim;
+#pragma unroll
+    for (int n = 0; n < kHalfCols / 8; ++n) {
+      const int col = half * kHalfCols + n * 8 + 2 * tq;
+      *reinterpret_cast<float2*>(dst + col) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    }
+    if (half == 0 && tq == 0) {
+      if (p.splits == 1) {
+        p.lse[hq] = lse;
+      } else {
+        p.part_lse[hq * p.splits + split] = lse;
+      }
+    }
+  }
+}
+
+// One warp per (row, head): merges the splits' normalised outputs by their lse.
+__global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const float* __restrict__ part_o,
+                                                                 const float* __restrict__ part_lse, int splits,
+                                                                 int64_t row_heads, float* __restrict__ out,
+                                                                 float* __restrict__ lse) {
+  const int64_t hq = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (hq >= row_heads) return;
+  float m = -INFINITY;
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, part_lse[hq * splits + s]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  float acc[16] = {};
+  float wsum = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float l = part_lse[hq * splits + s];
+    const float w = m == -INFINITY ? 0.0f : expf(l - m);
+    if (w == 0.0f) continue;
+    wsum += w;
+    const float4* src = reinterpret_cast<const float4*>(part_o + (hq * splits + s) * kLatentValueDim);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = src[lane + 32 * i];
+      acc[4 * i] += w * v.x;
+      acc[4 * i + 1] += w * v.y;
+      acc[4 * i + 2] += w * v.z;
+      acc[4 * i + 3] += w * v.w;
+    }
+  }
+  const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+  float4* dst = reinterpret_cast<float4*>(out + hq * kLatentValueDim);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    dst[lane + 32 * i] = make_float4(acc[4 * i] * inv, acc[4 * i + 1] * inv, acc[4 * i + 2] * inv, acc[4 * i + 3] * inv);
+  if (lane == 0) lse[hq] = wsum > 0.0f ? m + logf(wsum) : -INFINITY;
+}
+
+struct Split {
+  int splits;
+  int tiles_per_split;
+};
+
+// Enough splits to give every multiprocessor one CTA (the kernel runs one CTA per multiprocessor), whole tiles each.
+Split choose_split(int rows, int heads, int k) {
+  const int tiles = (k + kTile - 1) / kTile;
+  const int base = rows * ((heads + kHeadsPerCta - 1) / kHeadsPerCta);
+  const int wanted = std::clamp(device_sm_count() / std::max(base, 1), 1, tiles);
+  const int per = (tiles + wanted - 1) / wanted;
+  return {(tiles + per - 1) / per, per};
+}
+
+void check_mla_shapes(int batch, int n_q, int heads, int k, const char* fn) {
+  require(batch >= 0 && n_q >= 1 && heads >= 1 && k >= 1,
+          std::string(fn) + ": need batch >= 0, n_q >= 1, heads >= 1 and k >= 1, got batch " +
+              std::to_string(batch) + ", n_q " + std::to_string(n_q) + ", heads " + std::to_string(heads) + ", k " +
+              std::to_string(k));
+  require(int64_t{batch} * n_q <= 65535, std::string(fn) + ": at most 65535 query rows per call");
+}
+
+}  // namespace
+}  // namespace kestrel::cuda::dsa
+
+namespace kestrel::cuda {
+
+size_t sparse_mla_decode_workspace_bytes(int batch, int n_q, int heads, int k) {
+  dsa::check_mla_shapes(batch, n_q, heads, k, "sparse_mla_decode_workspace_bytes");
+  const int rows = batch * n_q;
+  if (rows == 0) return 0;
+  const dsa::Split sp = dsa::choose_split(rows, heads, k);
+  if (sp.splits == 1) return 0;
+  return static_cast<size_t>(rows) * heads * sp.splits * (kLatentValueDim + 1) * sizeof(float);
+}
+
+void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  using namespace dsa;
+  check_mla_shapes(a.batch, a.n_q, a.heads, a.k, "sparse_mla_decode");
+  check_pages(a.latent_pages, "sparse_mla_decode");
+  const int rows = a.batch * a.n_q;
+  if (rows == 0) return;
+  require(a.q_abs && a.indices && a.ctx_lens && a.block_table.pages && a.out && a.lse,
+          "sparse_mla_decode: a device pointer is missing");
+  require(std::isfinite(a.kv_scale) && a.kv_scale > 0.0f && std::isfinite(a.softmax_scale),
+          "sparse_mla_decode: kv_scale must be finite and > 0 and softmax_scale finite");
+  const Split sp = choose_split(rows, a.heads, a.k);
+  const size_t need = sparse_mla_decode_workspace_bytes(a.batch, a.n_q, a.heads, a.k);
+  require(workspace_bytes >= need && (need == 0 || workspace != nullptr),
+          "sparse_mla_decode: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
+              std::to_string(need));
+
+  MlaParams p{};
+  p.q = a.q_abs;
+  p.n_q = a.n_q;
+  p.heads = a.heads;
+  p.indices = a.indices;
+  p.k = a.k;
+  p.ctx_lens = a.ctx_lens;
+  p.pages = a.latent_pages;
+  p.bt = a.block_table;
+  p.score_log2_scale = static_cast<float>(double{a.softmax_scale} * a.kv_scale * 1.4426950408889634);
+  p.kv_scale = a.kv_scale;
+  p.tiles_per_split = sp.tiles_per_split;
+  p.splits = sp.splits;
+  p.out = a.out;
+  p.lse = a.lse;
+  const int64_t row_heads = int64_t{rows} * a.heads;
+  if (sp.splits > 1) {
+    p.part_o = static_cast<float*>(workspace);
+    p.part_lse = p.part_o + row_heads * sp.splits * kLatentValueDim;
+  }
+  const size_t smem = sizeof(MlaSmem);
+  check(cudaFuncSetAttribute(sparse_mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)),
+        "cudaFuncSetAttribute(sparse_mla_decode_kernel)");
+  const dim3 grid(sp.splits, (a.heads + kHeadsPerCta - 1) / kHeadsPerCta, rows);
+  sparse_mla_decode_kernel<<<grid, kThreads, smem, stream>>>(p);
+  check(cudaGetLastError(), "sparse_mla_decode kernel launch");
+  if (sp.splits > 1) {
+    const int64_t blocks = (row_heads * 32 + 127) / 128;
+    sparse_mla_combine_kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(p.part_o, p.part_lse, sp.splits,
+                                                                                  row_heads, a.out, a.lse);
+    check(cudaGetLastError(), "sparse_mla_decode combine kernel launch");
+  }
+}
+
+}  // namespace kestrel::cuda

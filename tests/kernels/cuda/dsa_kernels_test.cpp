@@ -1,0 +1,605 @@
+// GPU tests of the DSA decode kernels (src/kernels/cuda/dsa.h) against the CPU reference: the index-key writer
+// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA within their
+// stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
+#include "kernels/cuda/dsa.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/formats.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cuda/runtime.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kD = kIndexHeadDim;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
+
+#define REQUIRE_GPU() \
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
+
+template <typename T>
+DeviceBuffer<T> to_device(const std::vector<T>& v) {
+  DeviceBuffer<T> d(v.size());
+  d.upload(v.data());
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const DeviceBuffer<T>& d) {
+  std::vector<T> v(d.size());
+  d.download(v.data());
+  return v;
+}
+
+void sync() { KESTREL_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
+float poison_float() { return std::bit_cast<float>(kPoisonBits); }
+
+// A pool of pages for `ctx` tokens per request, pages handed out in a shuffled order, each page followed by a gap
+// (as pages of one layer inside the rows of the packed cache).
+struct PagedPool {
+  int page_size = 0;
+  int64_t page_bytes = 0, page_stride = 0;
+  int bt_stride = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<int32_t> block_table;
+
+  PagedPool(std::mt19937& rng, const std::vector<int>& ctx, int page_size_, int64_t page_bytes_, uint8_t fill)
+      : page_size(page_size_), page_bytes(page_bytes_), page_stride(page_bytes_ + 48) {
+    int total = 0;
+    for (int c : ctx) {
+      const int pages = (c + page_size - 1) / page_size;
+      bt_stride = std::max(bt_stride, pages);
+      total += pages;
+    }
+    total += 3;  // pages nobody owns
+    std::vector<int32_t> order(static_cast<size_t>(total));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    bt_stride = std::max(bt_stride, 1);
+    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
+    size_t next = 0;
+    for (size_t r = 0; r < ctx.size(); ++r)
+      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
+    bytes.assign(static_cast<size_t>(total) * page_stride, fill);
+  }
+  uint8_t* page(int r, int pos) {
+    return bytes.data() + static_cast<int64_t>(block_table[static_cast<size_t>(r) * bt_stride + pos / page_size]) *
+                              page_stride;
+  }
+  int row(int pos) const { return pos % page_size; }
+  int64_t slot(int r, int pos) const {
+    return static_cast<int64_t>(block_table[static_cast<size_t>(r) * bt_stride + pos / page_size]) * page_size +
+           pos % page_size;
+  }
+};
+
+// ---------------------------------------------------------------- index keys
+
+// An indexer key or query vector: Gaussian times a magnitude spanning the amax floor to large values, sometimes
+// with one outlier.
+std::vector<float> random_vector(std::mt19937& rng) {
+  static const float magnitudes[] = {1e-7f, 3e-5f, 1e-2f, 1.0f, 37.0f, 3e4f};
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const float mag = magnitudes[rng() % 6];
+  std::vector<float> x(kD);
+  for (float& v : x) v = n(rng) * mag;
+  if (rng() % 4 == 0) x[rng() % kD] *= 50.0f;
+  return x;
+}
+
+// Codes uniform over every non-NaN e4m3 code (subnormals, zeros and +-448 included).
+void random_codes(std::mt19937& rng, uint8_t* codes, int n) {
+  for (int i = 0; i < n; ++i) {
+    uint8_t c;
+    do c = static_cast<uint8_t>(rng()); while ((c & 0x7F) == 0x7F);
+    codes[i] = c;
+  }
+}
+
+void write_index_key(PagedPool& pool, int r, int pos, const uint8_t* codes, float scale) {
+  uint8_t* page = pool.page(r, pos);
+  std::memcpy(page + static_cast<int64_t>(pool.row(pos)) * kD, codes, kD);
+  std::memcpy(page + static_cast<int64_t>(pool.page_size) * kD + 4 * pool.row(pos), &scale, 4);
+}
+
+TEST(DsaIndexKeyWriter, MatchesCpuQuantisationBitForBit) {
+  REQUIRE_GPU();
+  std::mt19937 rng(1234);
+  const int T = 333;
+  std::vector<float> keys(static_cast<size_t>(T) * kD);
+  for (int t = 0; t < T; ++t) {
+    const std::vector<float> x = random_vector(rng);
+    std::copy(x.begin(), x.end(), keys.begin() + static_cast<int64_t>(t) * kD);
+  }
+  std::fill(keys.begin(), keys.begin() + kD, 0.0f);  // an all-zero key: amax floor, every code 0
+  keys[kD + 5] = 448.0f * 8;                          // a key whose scale is exactly a power of two
+  std::vector<uint16_t> keys_bf16(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) keys_bf16[i] = f32_to_bf16(keys[i]);
+
+  // Slots: every token of one request at shuffled positions of a 16-token paged pool; token 7 is skipped.
+  PagedPool pool(rng, {T + 20}, 16, int64_t{16} * kIndexKeyBytes, 0xA5);
+  std::vector<int> pos_of(T);
+  std::iota(pos_of.begin(), pos_of.end(), 0);
+  std::shuffle(pos_of.begin(), pos_of.end(), rng);
+  std::vector<int64_t> slots(T);
+  for (int t = 0; t < T; ++t) slots[t] = pool.slot(0, pos_of[t]);
+  slots[7] = -1;
+  const DeviceBuffer<int64_t> slots_d = to_device(slots);
+  const DeviceBuffer<float> keys_d = to_device(keys);
+  const DeviceBuffer<uint16_t> keys_bf16_d = to_device(keys_bf16);
+
+  for (const bool hadamard : {false, true}) {
+    for (const KeyDtype dtype : {KeyDtype::f32, KeyDtype::bf16}) {
+      SCOPED_TRACE(std::string(hadamard ? "hadamard " : "plain ") + (dtype == KeyDtype::bf16 ? "bf16" : "f32"));
+      DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
+      const Pages pages{pool_d.get(), pool.page_stride, pool.page_size};
+      const void* src = dtype == KeyDtype::bf16 ? static_cast<const void*>(keys_bf16_d.get()) : keys_d.get();
+      index_key_write(src, dtype, T, hadamard, slots_d.get(), pages, nullptr);
+      sync();
+      PagedPool expect = pool;
+      for (int t = 0; t < T; ++t) {
+        if (slots[t] < 0) continue;
+        std::vector<float> x(kD);
+        for (int d = 0; d < kD; ++d) {
+          const size_t i = static_cast<size_t>(t) * kD + d;
+          x[d] = dtype == KeyDtype::bf16 ? bf16_to_f32(keys_bf16[i]) : keys[i];
+        }
+        if (hadamard) cpu::hadamard_inplace(x.data(), kD);
+        uint8_t codes[kD];
+        const float s = quantize_fp8_ue8m0(x.data(), kD, codes);
+        write_index_key(expect, 0, pos_of[t], codes, s);
+      }
+      const std::vector<uint8_t> got = to_host(pool_d);
+      size_t mismatches = 0, first = 0;
+      for (size_t i = 0; i < got.size(); ++i)
+        if (got[i] != expect.bytes[i] && mismatches++ == 0) first = i;
+      EXPECT_EQ(mismatches, 0u) << "first differing byte " << first << " (page " << first / pool.page_stride
+                                << ", offset " << first % pool.page_stride << ")";
+    }
+  }
+}
+
+TEST(DsaIndexKeyWriter, NonFiniteKeyBecomesNaNCodes) {
+  REQUIRE_GPU();
+  std::mt19937 rng(99);
+  std::vector<float> keys(2 * kD, 0.5f);
+  keys[3] = std::numeric_limits<float>::quiet_NaN();
+  keys[kD + 100] = kInf;
+  PagedPool pool(rng, {2}, 64, int64_t{64} * kIndexKeyBytes, 0);
+  const std::vector<int64_t> slots = {pool.slot(0, 0), pool.slot(0, 1)};
+  DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
+  const DeviceBuffer<float> keys_d = to_device(keys);
+  const DeviceBuffer<int64_t> slots_d = to_device(slots);
+  index_key_write(keys_d.get(), KeyDtype::f32, 2, false, slots_d.get(), {pool_d.get(), pool.page_stride, 64},
+                  nullptr);
+  sync();
+  pool.bytes = to_host(pool_d);
+  for (int t = 0; t < 2; ++t) {
+    const uint8_t* page = pool.page(0, t);
+    for (int d = 0; d < kD; ++d) ASSERT_EQ(page[t * kD + d], 0x7F) << "token " << t << " code " << d;
+    float s;
+    std::memcpy(&s, page + 64 * kD + 4 * t, 4);
+    EXPECT_TRUE(std::isnan(s));
+  }
+}
+
+// ---------------------------------------------------------------- scores and top-k
+
+struct IndexProblem {
+  int batch = 0, n_q = 1, heads = 64;
+  std::vector<int> ctx;
+  std::vector<std::vector<uint8_t>> key_codes;  // per request [ctx, 128]
+  std::vector<std::vector<float>> key_scales;   // per request [ctx]
+  std::vector<uint8_t> q_codes;                 // [batch * n_q, heads, 128]
+  std::vector<float> weights;                   // [batch * n_q, heads]
+  int max_ctx() const { return *std::max_element(ctx.begin(), ctx.end()); }
+  int rows() const { return batch * n_q; }
+  int query_pos(int row) const { return ctx[static_cast<size_t>(row / n_q)] - n_q + row % n_q; }
+};
+
+// Keys and queries from quantised Gaussian vectors, with raw random codes, extreme codes, anti-correlated keys
+// (every ReLU zero: the score is exactly 0, the common tie) and optional NaN codes mixed in.
+IndexProblem make_index_problem(std::mt19937& rng, int heads, int n_q, const std::vector<int>& ctx, bool with_nan) {
+  IndexProblem p;
+  p.batch = static_cast<int>(ctx.size());
+  p.n_q = n_q;
+  p.heads = heads;
+  p.ctx = ctx;
+  p.q_codes.resize(static_cast<size_t>(p.rows()) * heads * kD);
+  p.weights.resize(static_cast<size_t>(p.rows()) * heads);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int row = 0; row < p.rows(); ++row)
+    for (int j = 0; j < heads; ++j) {
+      uint8_t* q = p.q_codes.data() + (static_cast<size_t>(row) * heads + j) * kD;
+      const int kind = static_cast<int>(rng() % 8);
+      if (kind == 0) {
+        random_codes(rng, q, kD);
+      } else if (kind == 1) {
+        std::fill(q, q + kD, uint8_t{0x7E});  // +448 everywhere: the largest dot the limbs must hold
+      } else {
+        const std::vector<float> x = random_vector(rng);
+        quantize_fp8_ue8m0(x.data(), kD, q);
+      }
+      p.weights[static_cast<size_t>(row) * heads + j] = n(rng) * 0.05f;
+    }
+  for (int r = 0; r < p.batch; ++r) {
+    std::vector<uint8_t> codes(static_cast<size_t>(ctx[r]) * kD);
+    std::vector<float> scales(ctx[r]);
+    const uint8_t* q0 = p.q_codes.data() + static_cast<size_t>(r) * n_q * heads * kD;
+    for (int s = 0; s < ctx[r]; ++s) {
+      uint8_t* k = codes.data() + static_cast<size_t>(s) * kD;
+      const int kind = static_cast<int>(rng() % 16);
+      if (kind == 0) {
+        random_codes(rng, k, kD);
+        scales[s] = std::ldexp(1.0f, static_cast<int>(rng() % 20) - 15);
+      } else if (kind == 1) {
+        std::fill(k, k + kD, static_cast<uint8_t>(rng() % 2 ? 0x7E : 0xFE));
+        scales[s] = 1.0f / 64;
+      } else if (kind < 8) {
+        // The negation of query head 0 of the request's first token: that head's dot is <= 0, and with the
+        // other heads mostly of mixed sign many scores come out exactly 0.
+        for (int d = 0; d < kD; ++d) k[d] = static_cast<uint8_t>(q0[d] ^ 0x80);
+        scales[s] = 0.25f;
+      } else {
+        const std::vector<float> x = random_vector(rng);
+        scales[s] = quantize_fp8_ue8m0(x.data(), kD, k);
+      }
+    }
+    p.key_codes.push_back(std::move(codes));
+    p.key_scales.push_back(std::move(scales));
+  }
+  if (with_nan) {
+    p.key_codes[0][static_cast<size_t>(ctx[0] / 2) * kD + 17] = 0x7F;  // one key of request 0
+    if (p.batch > 1) p.q_codes[(static_cast<size_t>(n_q) * heads + heads - 1) * kD + 3] = 0xFF;  // request 1's first token
+  }
+  return p;
+}
+
+std::vector<float> cpu_scores(const IndexProblem& p, int row) {
+  const int r = row / p.n_q;
+  const int n = p.query_pos(row) + 1;
+  std::vector<float> s(static_cast<size_t>(n));
+  cpu::indexer_scores(p.q_codes.data() + static_cast<size_t>(row) * p.heads * kD,
+                      p.weights.data() + static_cast<size_t>(row) * p.heads, p.heads, kD, p.key_codes[r].data(),
+                      p.key_scales[r].data(), n, s.data());
+  return s;
+}
+
+struct DeviceIndexCache {
+  PagedPool pool;
+  DeviceBuffer<uint8_t> bytes;
+  DeviceBuffer<int32_t> block_table, ctx_lens;
+  DeviceBuffer<uint8_t> q_codes;
+  DeviceBuffer<float> weights;
+  DeviceIndexCache(std::mt19937& rng, const IndexProblem& p, int page_size)
+      : pool(rng, p.ctx, page_size, int64_t{page_size} * kIndexKeyBytes, 0xEE) {
+    for (int r = 0; r < p.batch; ++r)
+      for (int s = 0; s < p.ctx[r]; ++s)
+        write_index_key(pool, r, s, p.key_codes[r].data() + static_cast<size_t>(s) * kD, p.key_scales[r][s]);
+    bytes = to_device(pool.bytes);
+    block_table = to_device(pool.block_table);
+    ctx_lens = to_device(std::vector<int32_t>(p.ctx.begin(), p.ctx.end()));
+    q_codes = to_device(p.q_codes);
+    weights = to_device(p.weights);
+  }
+  Pages pages() const { return {bytes.get(), pool.page_stride, pool.page_size}; }
+  BlockTable table() const { return {block_table.get(), pool.bt_stride}; }
+};
+
+std::vector<float> gpu_scores(const IndexProblem& p, const DeviceIndexCache& c, IndexScoreMode mode,
+                              int64_t stride) {
+  DeviceBuffer<float> scores = to_device(std::vector<float>(static_cast<size_t>(p.rows()) * stride, poison_float()));
+  const IndexQueries q{c.q_codes.get(), c.weights.get(), p.batch, p.n_q, p.heads};
+  index_scores_decode(q, c.pages(), c.table(), c.ctx_lens.get(), p.max_ctx(), mode, scores.get(), stride, nullptr);
+  sync();
+  return to_host(scores);
+}
+
+bool same_score(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
+
+// The first k of cpu::topk_indices as a sorted set, then -1 padding: the GPU's output order.
+std::vector<int32_t> cpu_topk_sorted(const float* scores, int n, int k) {
+  std::vector<int32_t> out(static_cast<size_t>(k));
+  cpu::topk_indices(scores, n, k, out.data());
+  const auto end = std::find(out.begin(), out.end(), -1);
+  std::sort(out.begin(), end);
+  return out;
+}
+
+struct ScoreCase {
+  int heads, n_q, page_size;
+  std::vector<int> ctx;
+};
+
+class DsaIndexScores : public ::testing::TestWithParam<ScoreCase> {};
+
+TEST_P(DsaIndexScores, ExactScoresAndTopkMatchCpuBitForBit) {
+  REQUIRE_GPU();
+  const ScoreCase& sc = GetParam();
+  std::mt19937 rng(777 + sc.heads * 10 + sc.n_q);
+  const IndexProblem p = make_index_problem(rng, sc.heads, sc.n_q, sc.ctx, true);
+  const DeviceIndexCache c(rng, p, sc.page_size);
+  const int64_t stride = p.max_ctx() + 7;
+  const std::vector<float> got = gpu_scores(p, c, IndexScoreMode::exact, stride);
+
+  const int k = 2048;
+  DeviceBuffer<float> scores_d = to_device(got);
+  DeviceBuffer<int32_t> topk_d = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()) * k, 0x7BADBEEF));
+  topk_decode(scores_d.get(), stride, p.batch, p.n_q, c.ctx_lens.get(), p.max_ctx(), k, topk_d.get(), nullptr);
+  sync();
+  const std::vector<int32_t> topk = to_host(topk_d);
+
+  for (int row = 0; row < p.rows(); ++row) {
+    SCOPED_TRACE("row " + std::to_string(row));
+    const int ctx = p.ctx[static_cast<size_t>(row / p.n_q)], n = p.query_pos(row) + 1;
+    const std::vector<float> want = cpu_scores(p, row);
+    const float* g = got.data() + static_cast<int64_t>(row) * stride;
+    int bad = 0, first = -1;
+    for (int s = 0; s < n; ++s)
+      if (!same_score(g[s], want[s]) && bad++ == 0) first = s;
+    EXPECT_EQ(bad, 0) << "first differing score at " << first << ": gpu " << g[std::max(first, 0)] << " cpu "
+                      << want[std::max(first, 0)];
+    for (int s = n; s < ctx; ++s) EXPECT_EQ(g[s], -kInf) << "future position " << s;
+    for (int64_t s = ctx; s < stride; ++s) EXPECT_EQ(bits(g[s]), kPoisonBits) << "written past the context at " << s;
+
+    const std::vector<int32_t> want_topk = cpu_topk_sorted(want.data(), n, k);
+    const int32_t* t = topk.data() + static_cast<int64_t>(row) * k;
+    EXPECT_TRUE(std::equal(want_topk.begin(), want_topk.end(), t)) << "top-k set differs (n = " << n << ")";
+  }
+  // The NaN codes reached the scores: one key of request 0, every score of request 1's first token.
+  EXPECT_TRUE(std::isnan(got[static_cast<size_t>(p.ctx[0] / 2)]) || p.query_pos(0) < p.ctx[0] / 2);
+  if (p.batch > 1) {
+    EXPECT_TRUE(std::isnan(got[static_cast<size_t>(p.n_q) * stride]));
+  }
+}
+
+TEST_P(DsaIndexScores, FastFp8ScoresWithinBound) {
+  REQUIRE_GPU();
+  const ScoreCase& sc = GetParam();
+  std::mt19937 rng(4242 + sc.heads + sc.n_q);
+  const IndexProblem p = make_index_problem(rng, sc.heads, sc.n_q, sc.ctx, false);
+  const DeviceIndexCache c(rng, p, sc.page_size);
+  const int64_t stride = p.max_ctx();
+  const std::vector<float> got = gpu_scores(p, c, IndexScoreMode::fast_fp8, stride);
+  double worst = 0.0;
+  for (int row = 0; row < p.rows(); ++row) {
+    const int r = row / p.n_q, n = p.query_pos(row) + 1;
+    const std::vector<float> want = cpu_scores(p, row);
+    const uint8_t* q = p.q_codes.data() + static_cast<size_t>(row) * p.heads * kD;
+    const float* w = p.weights.data() + static_cast<size_t>(row) * p.heads;
+    int bad = 0;
+    for (int s = 0; s < n; ++s) {
+      const uint8_t* kc = p.key_codes[r].data() + static_cast<size_t>(s) * kD;
+      double mass = 0.0;
+      for (int j = 0; j < p.heads; ++j) {
+        double abs_dot = 0.0;
+        for (int d = 0; d < kD; ++d)
+          abs_dot += std::fabs(double{e4m3_to_f32(q[j * kD + d])} * e4m3_to_f32(kc[d]));
+        mass += std::fabs(double{w[j]}) * abs_dot;
+      }
+      const double bound = std::ldexp(p.key_scales[r][s] * mass, -6);
+      const double err = std::fabs(double{got[static_cast<int64_t>(row) * stride + s]} - want[s]);
+      if (bound > 0) worst = std::max(worst, err / bound);
+      if (!(err <= bound)) ++bad;
+    }
+    EXPECT_EQ(bad, 0) << "row " << row;
+  }
+  RecordProperty("worst_error_over_bound", std::to_string(worst));
+  std::printf("fast_fp8 scores: largest |error| / bound = %.3g\n", worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DsaIndexScores,
+                         ::testing::Values(ScoreCase{64, 1, 64, {1, 63, 64, 65, 3000}},
+                                           ScoreCase{32, 1, 16, {130, 2049, 4100}},
+                                           ScoreCase{64, 2, 64, {2, 2047, 5000}},
+                                           ScoreCase{32, 3, 32, {3, 700, 2050, 4500}}));
+
+// Top-k on synthetic rows: heavy ties, -0 and +0, -inf, NaN, +inf, rows shorter than k and rows far longer.
+TEST(DsaTopk, MatchesCpuRuleOnHardRows) {
+  REQUIRE_GPU();
+  std::mt19937 rng(31337);
+  const int k = 2048;
+  const std::vector<int> lengths = {1, 100, 2047, 2048, 2049, 5000, 70000, 200000, 131072, 30000, 30000, 9000};
+  const int rows = static_cast<int>(lengths.size());
+  const int64_t stride = 200003;
+  std::vector<float> scores(static_cast<size_t>(rows) * stride, poison_float());
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int row = 0; row < rows; ++row) {
+    float* s = scores.data() + static_cast<int64_t>(row) * stride;
+    for (int j = 0; j < lengths[row]; ++j) {
+      float v = 0.0f;
+      switch (row % 6) {
+        case 0: v = n(rng); break;                                                     // distinct values
+        case 1: v = static_cast<float>(rng() % 3); break;                              // three huge tie classes
+        case 2: v = rng() % 2 ? 0.0f : -0.0f; break;                                   // all zero, both signs
+        case 3: v = rng() % 5 == 0 ? n(rng) : (rng() % 2 ? -kInf : nan); break;        // mostly unselectable
+        case 4: v = std::nextafter(1.0f, 2.0f * (rng() % 2)) * (rng() % 7 == 0 ? -1.0f : 1.0f); break;  // low bits
+        default: v = rng() % 50 == 0 ? n(rng) : (rng() % 3 == 0 ? kInf : 0.0f); break;  // +inf and zeros
+      }
+      if (row % 6 == 1 && rng() % 2) v = -0.0f;  // -0 among the ties at 0
+      if (row % 6 == 4 && rng() % 3 == 0) v = std::nextafter(v, 0.0f);
+      s[j] = v;
+    }
+  }
+  const DeviceBuffer<float> scores_d = to_device(scores);
+  const DeviceBuffer<int32_t> ctx_d = to_device(std::vector<int32_t>(lengths.begin(), lengths.end()));
+  DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(static_cast<size_t>(rows) * k, 0x7BADBEEF));
+  topk_decode(scores_d.get(), stride, rows, 1, ctx_d.get(), 200000, k, out_d.get(), nullptr);
+  sync();
+  const std::vector<int32_t> out = to_host(out_d);
+  for (int row = 0; row < rows; ++row) {
+    const std::vector<int32_t> want = cpu_topk_sorted(scores.data() + static_cast<int64_t>(row) * stride, lengths[row], k);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), out.begin() + static_cast<int64_t>(row) * k))
+        << "row " << row << " (n = " << lengths[row] << ")";
+  }
+}
+
+TEST(DsaTopk, SpeculativeRowsHaveCausalLengths) {
+  REQUIRE_GPU();
+  std::mt19937 rng(5);
+  const int n_q = 4, k = 16;
+  const std::vector<int32_t> ctx = {4, 40};
+  const int64_t stride = 40;
+  std::vector<float> scores(static_cast<size_t>(ctx.size()) * n_q * stride);
+  std::uniform_int_distribution<int> u(0, 5);
+  for (float& v : scores) v = static_cast<float>(u(rng));
+  const DeviceBuffer<float> scores_d = to_device(scores);
+  const DeviceBuffer<int32_t> ctx_d = to_device(ctx);
+  DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(scores.size() / stride * k, 0x7BADBEEF));
+  topk_decode(scores_d.get(), stride, 2, n_q, ctx_d.get(), 40, k, out_d.get(), nullptr);
+  sync();
+  const std::vector<int32_t> out = to_host(out_d);
+  for (int row = 0; row < 2 * n_q; ++row) {
+    const int n = ctx[static_cast<size_t>(row / n_q)] - n_q + row % n_q + 1;  // positions 0 .. query position
+    const std::vector<int32_t> want = cpu_topk_sorted(scores.data() + row * stride, n, k);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), out.begin() + row * k)) << "row " << row;
+  }
+}
+
+// ---------------------------------------------------------------- sparse MLA
+
+struct MlaCase {
+  int heads, n_q, k;
+  std::vector<int> ctx;
+  float q_sigma;
+};
+
+class DsaSparseMla : public ::testing::TestWithParam<MlaCase> {};
+
+TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
+  REQUIRE_GPU();
+  const MlaCase& mc = GetParam();
+  const int H = mc.heads, k = mc.k, batch = static_cast<int>(mc.ctx.size()), rows = batch * mc.n_q;
+  std::mt19937 rng(2024 + H + k + rows);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const float kv_scale = 4.0f / 448.0f, softmax_scale = 0.1352338f;
+
+  // Latent rows: Gaussian values as e4m3 codes of value / kv_scale; the CPU sees code * kv_scale.
+  PagedPool pool(rng, mc.ctx, 64, int64_t{64} * kLatentDim, 0xCC);
+  std::vector<std::vector<float>> rows_f(static_cast<size_t>(batch));
+  for (int r = 0; r < batch; ++r) {
+    rows_f[r].resize(static_cast<size_t>(mc.ctx[r]) * kLatentDim);
+    for (int s = 0; s < mc.ctx[r]; ++s) {
+      uint8_t* dst = pool.page(r, s) + static_cast<int64_t>(pool.row(s)) * kLatentDim;
+      for (int c = 0; c < kLatentDim; ++c) {
+        const uint8_t code = f32_to_e4m3(n(rng) * (c < kLatentValueDim ? 1.0f : 0.5f) / kv_scale);
+        dst[c] = code;
+        rows_f[r][static_cast<size_t>(s) * kLatentDim + c] = e4m3_to_f32(code) * kv_scale;
+      }
+    }
+  }
+  std::vector<uint16_t> q(static_cast<size_t>(rows) * H * kLatentDim);
+  for (uint16_t& v : q) v = f32_to_bf16(n(rng) * mc.q_sigma);
+  // Index rows: all causal positions when there are few, else a random subset; -1 and out-of-range entries mixed
+  // in; row 1 (when there is one) selects nothing valid.
+  std::vector<int32_t> idx(static_cast<size_t>(rows) * k);
+  for (int row = 0; row < rows; ++row) {
+    const int ctx = mc.ctx[static_cast<size_t>(row / mc.n_q)];
+    std::vector<int32_t> cand(static_cast<size_t>(ctx));
+    std::iota(cand.begin(), cand.end(), 0);
+    std::shuffle(cand.begin(), cand.end(), rng);
+    int32_t* ir = idx.data() + static_cast<int64_t>(row) * k;
+    for (int j = 0; j < k; ++j) ir[j] = j < ctx ? cand[j] : -1;
+    for (int j = 0; j < k; j += 97) ir[j] = rng() % 2 ? -1 : ctx + static_cast<int32_t>(rng() % 5);
+    if (row == 1) std::fill(ir, ir + k, -1);
+  }
+
+  DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
+  const DeviceBuffer<int32_t> bt_d = to_device(pool.block_table);
+  const DeviceBuffer<int32_t> ctx_d = to_device(std::vector<int32_t>(mc.ctx.begin(), mc.ctx.end()));
+  const DeviceBuffer<uint16_t> q_d = to_device(q);
+  const DeviceBuffer<int32_t> idx_d = to_device(idx);
+  DeviceBuffer<float> out_d = to_device(std::vector<float>(static_cast<size_t>(rows) * H * kLatentValueDim, poison_float()));
+  DeviceBuffer<float> lse_d = to_device(std::vector<float>(static_cast<size_t>(rows) * H, poison_float()));
+  SparseMlaDecodeArgs a;
+  a.q_abs = q_d.get();
+  a.batch = batch;
+  a.n_q = mc.n_q;
+  a.heads = H;
+  a.indices = idx_d.get();
+  a.k = k;
+  a.ctx_lens = ctx_d.get();
+  a.latent_pages = {pool_d.get(), pool.page_stride, pool.page_size};
+  a.block_table = {bt_d.get(), pool.bt_stride};
+  a.kv_scale = kv_scale;
+  a.softmax_scale = softmax_scale;
+  a.out = out_d.get();
+  a.lse = lse_d.get();
+  const size_t ws_bytes = sparse_mla_decode_workspace_bytes(batch, mc.n_q, H, k);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
+  sync();
+  const std::vector<float> out = to_host(out_d), lse = to_host(lse_d);
+
+  double worst = 0.0;
+  for (int row = 0; row < rows; ++row) {
+    const int r = row / mc.n_q;
+    std::vector<float> qf(static_cast<size_t>(H) * kLatentDim), ref(static_cast<size_t>(H) * kLatentValueDim), ref_lse(H);
+    for (size_t i = 0; i < qf.size(); ++i) qf[i] = bf16_to_f32(q[static_cast<size_t>(row) * H * kLatentDim + i]);
+    const int32_t* ir = idx.data() + static_cast<int64_t>(row) * k;
+    cpu::mla_attend_absorbed(qf.data(), H, kLatentValueDim, kLatentDim - kLatentValueDim, rows_f[r].data(), mc.ctx[r],
+                             ir, k, softmax_scale, ref.data(), ref_lse.data());
+    float vmax = 0.0f;
+    for (int j = 0; j < k; ++j)
+      if (ir[j] >= 0 && ir[j] < mc.ctx[r])
+        for (int c = 0; c < kLatentValueDim; ++c)
+          vmax = std::max(vmax, std::fabs(rows_f[r][static_cast<size_t>(ir[j]) * kLatentDim + c]));
+    const float tol = std::ldexp(vmax, -8) + 1e-6f;
+    for (int h = 0; h < H; ++h) {
+      const float gl = lse[static_cast<size_t>(row) * H + h], rl = ref_lse[h];
+      if (std::isinf(rl)) {
+        EXPECT_EQ(gl, -kInf) << "row " << row << " head " << h;
+      } else {
+        EXPECT_LE(std::fabs(gl - rl), 1e-4f * (1.0f + std::fabs(rl))) << "lse, row " << row << " head " << h;
+      }
+      int bad = 0;
+      for (int c = 0; c < kLatentValueDim; ++c) {
+        const float gv = out[(static_cast<size_t>(row) * H + h) * kLatentValueDim + c];
+        const float rv = ref[static_cast<size_t>(h) * kLatentValueDim + c];
+        const float err = std::fabs(gv - rv);
+        if (!(err <= tol)) ++bad;
+        if (vmax > 0) worst = std::max(worst, double{err} / vmax);
+        if (std::isinf(rl) && bits(gv) != 0) ++bad;  // no valid index: exactly +0
+      }
+      EXPECT_EQ(bad, 0) << "row " << row << " head " << h << " (tolerance " << tol << ")";
+    }
+  }
+  std::printf("sparse MLA H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n", H, k, rows, worst,
+              std::ldexp(1.0, -8));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
+                         ::testing::Values(MlaCase{16, 1, 2048, {1500, 3000, 5000}, 1.0f},
+                                           MlaCase{64, 2, 2048, {2100, 40}, 1.0f},
+                                           MlaCase{128, 1, 2048, {2500, 2048}, 1.0f},
+                                           MlaCase{96, 1, 512, {600, 9000}, 5.0f},
+                                           MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f}));
+
+TEST(DsaArguments, BadShapesThrow) {
+  const Pages pages{reinterpret_cast<uint8_t*>(16), 132 * 64, 64};
+  const IndexQueries q{nullptr, nullptr, 1, 1, 48};
+  EXPECT_THROW(index_scores_decode(q, pages, {}, nullptr, 10, IndexScoreMode::exact, nullptr, 10, nullptr), Error);
+  const Pages odd{reinterpret_cast<uint8_t*>(16), 132 * 48, 48};
+  EXPECT_THROW(index_key_write(nullptr, KeyDtype::f32, 1, false, nullptr, odd, nullptr), Error);
+  EXPECT_THROW(topk_decode(nullptr, 5, 1, 1, nullptr, 10, 8, nullptr, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace kestrel::cuda
