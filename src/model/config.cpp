@@ -207,6 +207,13 @@ void parse_quant(const Fields& f, ModelConfig& c) {
   }
 }
 
+// A float field as the decimal a person would write (1e-05, not 9.999999747378752e-06).
+json decimal(float v) { return std::stod(fmt::format("{}", v)); }
+// A double that holds a whole number is written as an integer, as Hugging Face configs do.
+json number_json(double v) {
+  return v == std::floor(v) && std::fabs(v) < 9e15 ? json(static_cast<int64_t>(v)) : json(v);
+}
+
 }  // namespace
 
 int ModelConfig::num_layers_of(LayerKind k) const {
@@ -319,7 +326,7 @@ json ModelConfig::to_json() const {
   j["hidden_size"] = hidden_size;
   j["num_hidden_layers"] = num_hidden_layers;
   j["intermediate_size"] = intermediate_size;
-  j["rms_norm_eps"] = rms_norm_eps;
+  j["rms_norm_eps"] = decimal(rms_norm_eps);
   j["tie_word_embeddings"] = tie_word_embeddings;
   if (max_position_embeddings) j["max_position_embeddings"] = max_position_embeddings;
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
@@ -334,7 +341,7 @@ json ModelConfig::to_json() const {
   j["v_head_dim"] = v_head_dim;
   j["first_k_dense_replace"] = first_k_dense_replace;
   j["moe_layer_freq"] = moe_layer_freq;
-  j["routed_scaling_factor"] = routed_scaling_factor;
+  j["routed_scaling_factor"] = decimal(routed_scaling_factor);
   j["moe_intermediate_size"] = moe_intermediate_size;
   if (has_indexer) {
     j["index_n_heads"] = index_n_heads;
@@ -342,15 +349,15 @@ json ModelConfig::to_json() const {
     j["index_topk"] = index_topk;
   }
   if (arch == Arch::deepseek_v32) {
-    j["rope_theta"] = rope_theta;
+    j["rope_theta"] = number_json(rope_theta);
     if (yarn) {
       j["rope_scaling"] = {{"type", "yarn"},
-                           {"factor", yarn->factor},
-                           {"original_max_position_embeddings", yarn->original_max_position_embeddings},
-                           {"beta_fast", yarn->beta_fast},
-                           {"beta_slow", yarn->beta_slow},
-                           {"mscale", yarn->mscale},
-                           {"mscale_all_dim", yarn->mscale_all_dim}};
+                           {"factor", number_json(yarn->factor)},
+                           {"original_max_position_embeddings", number_json(yarn->original_max_position_embeddings)},
+                           {"beta_fast", number_json(yarn->beta_fast)},
+                           {"beta_slow", number_json(yarn->beta_slow)},
+                           {"mscale", number_json(yarn->mscale)},
+                           {"mscale_all_dim", number_json(yarn->mscale_all_dim)}};
     }
     j["n_routed_experts"] = n_routed_experts;
     j["num_experts_per_tok"] = num_experts_per_tok;
@@ -368,9 +375,9 @@ json ModelConfig::to_json() const {
                                {"num_heads", kda_num_heads},
                                {"head_dim", kda_head_dim},
                                {"short_conv_kernel_size", short_conv_kernel_size}};
-    if (kda_gate_lower_bound) j["kda_gate_lower_bound"] = *kda_gate_lower_bound;
+    if (kda_gate_lower_bound) j["kda_gate_lower_bound"] = decimal(*kda_gate_lower_bound);
     j["mla_use_nope"] = true;
-    j["rope_theta"] = rope_theta;
+    j["rope_theta"] = number_json(rope_theta);
     j["num_experts"] = n_routed_experts;
     j["num_experts_per_token"] = num_experts_per_tok;
     j["num_shared_experts"] = n_shared_experts;
