@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Makes .devdeps/ for bench/gpu/run_h200.sh: fmt as a header-only package and the googletest sources, copied from
+# this machine's Debian packages (libfmt-dev, googletest), so that a GPU machine without them or a network can
+# configure bench/gpu/CMakeLists.txt. Run once here, then carry `.devdeps` with the device call. The folder is
+# git-ignored through .git/info/exclude, never committed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+D=.devdeps
+rm -rf "$D"
+mkdir -p "$D/include" "$D/fmt"
+cp -r /usr/include/fmt "$D/include/"
+cp -r /usr/src/googletest "$D/googletest"
+rm -rf "$D/googletest/googletest/docs" "$D/googletest/googletest/test" "$D/googletest/googletest/samples" \
+  "$D/googletest/googlemock/test"
+grep -qx '/.devdeps/' .git/info/exclude 2>/dev/null || echo '/.devdeps/' >>.git/info/exclude
+
+cat >"$D/README" <<'TXT'
+Made by bench/gpu/make_devdeps.sh: fmt (header-only) and the googletest sources, carried to
+the GPU machine for bench/gpu/run_h200.sh. Git-ignored; not part of the repository.
+TXT
+cat >"$D/fmt/fmt-config.cmake" <<'CMAKE'
+if(NOT TARGET fmt::fmt)
+  add_library(fmt::fmt INTERFACE IMPORTED)
+  set_target_properties(fmt::fmt PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${CMAKE_CURRENT_LIST_DIR}/../include"
+                                             INTERFACE_COMPILE_DEFINITIONS FMT_HEADER_ONLY=1)
+endif()
+CMAKE
+echo "made $D ($(du -sh "$D" | cut -f1))"
