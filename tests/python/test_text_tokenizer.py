@@ -9,12 +9,11 @@ UTF-8 input is rejected with a clear error.
 
 import copy
 import json
-import random
 
 import pytest
 
 import text_corpus
-from text_harness import batch, report, write_tiktoken_files
+from text_harness import batch, check_hf_dir, check_tiktoken_dir, report, write_tiktoken_files
 
 tokenizers = pytest.importorskip("tokenizers")
 tiktoken = pytest.importorskip("tiktoken")
@@ -36,9 +35,6 @@ KIMI_PATTERN = "|".join([
 ])
 CL100K_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-STREAM_MAX_TOKENS = 48
-
 
 def _deepseek_pre_tokenizer():
     return {"type": "Sequence", "pretokenizers": [
@@ -110,81 +106,13 @@ def _variants(base):
     return out
 
 
-def _random_ids(r, n_ids, count):
-    return [[r.randrange(n_ids) for _ in range(r.randint(1, 12))] for _ in range(count)]
-
-
-def _run_hf(name, tj, tmp_path_factory, round_trips):
-    d = tmp_path_factory.mktemp(name)
-    (d / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
-    ref = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
-    corpus = text_corpus.strings()
-    reqs = []
-    for s in corpus:
-        reqs.append({"op": "encode", "text": s, "parse_special": True})
-        reqs.append({"op": "encode", "text": s, "parse_special": False})
-        reqs.append({"op": "encode", "text": s, "parse_special": True, "add_special_tokens": True})
-    got = batch(d, reqs)
-    mism = []
-    ids_by_string = []
-    for i, s in enumerate(corpus):
-        g = got[3 * i:3 * i + 3]
-        ref.encode_special_tokens = False
-        want = ref.encode(s, add_special_tokens=False).ids
-        want_post = ref.encode(s, add_special_tokens=True).ids
-        ref.encode_special_tokens = True
-        want_ordinary = ref.encode(s, add_special_tokens=False).ids
-        if g[0].get("ids") != want:
-            mism.append((s, "special", g[0], want))
-        if g[1].get("ids") != want_ordinary:
-            mism.append((s, "ordinary", g[1], want_ordinary))
-        if g[2].get("ids") != want_post:
-            mism.append((s, "post", g[2], want_post))
-        ids_by_string.append(want)
-    report(mism, f"{name}: encode")
-
-    r = random.Random(11)
-    id_lists = ids_by_string + _random_ids(r, ref.get_vocab_size(), 500)
-    reqs = []
-    for ids in id_lists:
-        reqs.append({"op": "decode", "ids": ids})
-        reqs.append({"op": "decode", "ids": ids, "skip_special": True})
-        reqs.append({"op": "stream", "ids": ids[:STREAM_MAX_TOKENS]})
-    got = batch(d, reqs)
-    mism = []
-    for i, ids in enumerate(id_lists):
-        g = got[3 * i:3 * i + 3]
-        want = ref.decode(ids, skip_special_tokens=False)
-        if g[0].get("text") != want:
-            mism.append((ids, "decode", g[0], want))
-        want_skip = ref.decode(ids, skip_special_tokens=True)
-        if g[1].get("text") != want_skip:
-            mism.append((ids, "decode skip", g[1], want_skip))
-        _check_stream(ids[:STREAM_MAX_TOKENS], g[2], lambda p: ref.decode(p, skip_special_tokens=False), mism)
-        if round_trips and i < len(corpus) and want != corpus[i]:
-            mism.append((ids, "round trip", want, corpus[i]))
-    report(mism, f"{name}: decode/stream")
-
-
-def _check_stream(ids, reply, decode, mism):
-    if "chunks" not in reply:
-        mism.append((ids, "stream", reply))
-        return
-    emitted = ""
-    for k in range(len(ids)):
-        emitted += reply["chunks"][k]
-        full = decode(ids[:k + 1])
-        if emitted + reply["pending"][k] != full:
-            mism.append((ids, f"stream prefix {k + 1}", emitted, reply["pending"][k], full))
-            return
-
-
 @pytest.mark.parametrize("variant", ["deepseek", "deepseek_bos", "gpt2_prefix_space", "behaviors", "normalized",
                                      "ignore_merges_added"])
 def test_tokenizer_json_matches_tokenizers(variant, base_tokenizer_json, tmp_path_factory):
     # Variants that add a prefix space, normalize, drop text or strip around added tokens do not round-trip.
-    _run_hf(variant, _variants(base_tokenizer_json)[variant], tmp_path_factory,
-            round_trips=variant in ("deepseek", "deepseek_bos"))
+    d = tmp_path_factory.mktemp(variant)
+    (d / "tokenizer.json").write_text(json.dumps(_variants(base_tokenizer_json)[variant], ensure_ascii=False))
+    check_hf_dir(d, variant, round_trips=variant in ("deepseek", "deepseek_bos"))
 
 
 def _ranks_from_hf(tj):
@@ -217,46 +145,8 @@ def test_tiktoken_matches_tiktoken(pattern_name, base_tokenizer_json, tmp_path_f
     d = tmp_path_factory.mktemp("tiktoken_" + pattern_name)
     write_tiktoken_files(d, ranks, specials, None if pattern_name == "kimi_default" else pat)
     enc = tiktoken.Encoding(name="golden", pat_str=pat, mergeable_ranks=ranks, special_tokens=specials)
-    corpus = text_corpus.strings()
-    reqs = []
-    for s in corpus:
-        reqs.append({"op": "encode", "text": s, "parse_special": True})
-        reqs.append({"op": "encode", "text": s, "parse_special": False})
-    got = batch(d, reqs)
-    mism = []
-    id_lists = []
-    for i, s in enumerate(corpus):
-        want = enc.encode(s, allowed_special="all")
-        want_ordinary = enc.encode_ordinary(s)
-        if got[2 * i].get("ids") != want:
-            mism.append((s, "special", got[2 * i], want))
-        if got[2 * i + 1].get("ids") != want_ordinary:
-            mism.append((s, "ordinary", got[2 * i + 1], want_ordinary))
-        id_lists.append(want)
-    report(mism, f"tiktoken {pattern_name}: encode")
-
-    r = random.Random(12)
-    all_ids = sorted(set(ranks.values()) | set(specials.values()))
-    id_lists += [[r.choice(all_ids) for _ in range(r.randint(1, 12))] for _ in range(500)]
-    special_ids = set(specials.values())
-    reqs = []
-    for ids in id_lists:
-        reqs.append({"op": "decode", "ids": ids})
-        reqs.append({"op": "decode", "ids": ids, "skip_special": True})
-        reqs.append({"op": "stream", "ids": ids[:STREAM_MAX_TOKENS]})
-    got = batch(d, reqs)
-    mism = []
-    for i, ids in enumerate(id_lists):
-        want = enc.decode(ids)
-        if got[3 * i].get("text") != want:
-            mism.append((ids, "decode", got[3 * i], want))
-        want_skip = enc.decode([t for t in ids if t not in special_ids])
-        if got[3 * i + 1].get("text") != want_skip:
-            mism.append((ids, "decode skip", got[3 * i + 1], want_skip))
-        _check_stream(ids[:STREAM_MAX_TOKENS], got[3 * i + 2], enc.decode, mism)
-        if i < len(corpus) and want != corpus[i]:
-            mism.append((ids, "round trip", want, corpus[i]))
-    report(mism, f"tiktoken {pattern_name}: decode/stream")
+    check_tiktoken_dir(d, enc, set(ranks.values()) | set(specials.values()), set(specials.values()),
+                       f"tiktoken {pattern_name}")
 
 
 def test_invalid_utf8_is_rejected(base_tokenizer_json, tmp_path_factory):

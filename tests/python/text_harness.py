@@ -4,10 +4,15 @@ building tokenizer files with the reference libraries."""
 import base64
 import json
 import os
+import random
 import subprocess
 from pathlib import Path
 
 import pytest
+
+import text_corpus
+
+STREAM_MAX_TOKENS = 48
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,3 +58,115 @@ def report(mismatches, what):
     if mismatches:
         head = "\n".join(repr(m)[:400] for m in mismatches[:8])
         pytest.fail(f"{len(mismatches)} {what} mismatches; first ones:\n{head}")
+
+
+def _random_ids(r, n_ids, count):
+    return [[r.randrange(n_ids) for _ in range(r.randint(1, 12))] for _ in range(count)]
+
+
+def check_hf_dir(d, name, round_trips):
+    """Kestrel vs `tokenizers` on DIR/tokenizer.json: encode (3 modes), decode, skip-special decode, streaming."""
+    import tokenizers
+    ref = tokenizers.Tokenizer.from_file(str(Path(d) / "tokenizer.json"))
+    corpus = text_corpus.strings()
+    reqs = []
+    for s in corpus:
+        reqs.append({"op": "encode", "text": s, "parse_special": True})
+        reqs.append({"op": "encode", "text": s, "parse_special": False})
+        reqs.append({"op": "encode", "text": s, "parse_special": True, "add_special_tokens": True})
+    got = batch(d, reqs)
+    mism = []
+    ids_by_string = []
+    for i, s in enumerate(corpus):
+        g = got[3 * i:3 * i + 3]
+        ref.encode_special_tokens = False
+        want = ref.encode(s, add_special_tokens=False).ids
+        want_post = ref.encode(s, add_special_tokens=True).ids
+        ref.encode_special_tokens = True
+        want_ordinary = ref.encode(s, add_special_tokens=False).ids
+        if g[0].get("ids") != want:
+            mism.append((s, "special", g[0], want))
+        if g[1].get("ids") != want_ordinary:
+            mism.append((s, "ordinary", g[1], want_ordinary))
+        if g[2].get("ids") != want_post:
+            mism.append((s, "post", g[2], want_post))
+        ids_by_string.append(want)
+    report(mism, f"{name}: encode")
+
+    r = random.Random(11)
+    id_lists = ids_by_string + _random_ids(r, ref.get_vocab_size(), 500)
+    reqs = []
+    for ids in id_lists:
+        reqs.append({"op": "decode", "ids": ids})
+        reqs.append({"op": "decode", "ids": ids, "skip_special": True})
+        reqs.append({"op": "stream", "ids": ids[:STREAM_MAX_TOKENS]})
+    got = batch(d, reqs)
+    mism = []
+    for i, ids in enumerate(id_lists):
+        g = got[3 * i:3 * i + 3]
+        want = ref.decode(ids, skip_special_tokens=False)
+        if g[0].get("text") != want:
+            mism.append((ids, "decode", g[0], want))
+        want_skip = ref.decode(ids, skip_special_tokens=True)
+        if g[1].get("text") != want_skip:
+            mism.append((ids, "decode skip", g[1], want_skip))
+        _check_stream(ids[:STREAM_MAX_TOKENS], g[2], lambda p: ref.decode(p, skip_special_tokens=False), mism)
+        if round_trips and i < len(corpus) and want != corpus[i]:
+            mism.append((ids, "round trip", want, corpus[i]))
+    report(mism, f"{name}: decode/stream")
+
+
+def _check_stream(ids, reply, decode, mism):
+    if "chunks" not in reply:
+        mism.append((ids, "stream", reply))
+        return
+    emitted = ""
+    for k in range(len(ids)):
+        emitted += reply["chunks"][k]
+        full = decode(ids[:k + 1])
+        if emitted + reply["pending"][k] != full:
+            mism.append((ids, f"stream prefix {k + 1}", emitted, reply["pending"][k], full))
+            return
+
+
+def check_tiktoken_dir(d, enc, all_ids, special_ids, name, round_trips=True):
+    """Kestrel vs a tiktoken Encoding on DIR/tiktoken.model: encode (2 modes), decode, streaming."""
+    corpus = text_corpus.strings()
+    reqs = []
+    for s in corpus:
+        reqs.append({"op": "encode", "text": s, "parse_special": True})
+        reqs.append({"op": "encode", "text": s, "parse_special": False})
+    got = batch(d, reqs)
+    mism = []
+    id_lists = []
+    for i, s in enumerate(corpus):
+        want = enc.encode(s, allowed_special="all")
+        want_ordinary = enc.encode_ordinary(s)
+        if got[2 * i].get("ids") != want:
+            mism.append((s, "special", got[2 * i], want))
+        if got[2 * i + 1].get("ids") != want_ordinary:
+            mism.append((s, "ordinary", got[2 * i + 1], want_ordinary))
+        id_lists.append(want)
+    report(mism, f"{name}: encode")
+
+    r = random.Random(12)
+    all_ids = sorted(all_ids)
+    id_lists += [[r.choice(all_ids) for _ in range(r.randint(1, 12))] for _ in range(500)]
+    reqs = []
+    for ids in id_lists:
+        reqs.append({"op": "decode", "ids": ids})
+        reqs.append({"op": "decode", "ids": ids, "skip_special": True})
+        reqs.append({"op": "stream", "ids": ids[:STREAM_MAX_TOKENS]})
+    got = batch(d, reqs)
+    mism = []
+    for i, ids in enumerate(id_lists):
+        want = enc.decode(ids)
+        if got[3 * i].get("text") != want:
+            mism.append((ids, "decode", got[3 * i], want))
+        want_skip = enc.decode([t for t in ids if t not in special_ids])
+        if got[3 * i + 1].get("text") != want_skip:
+            mism.append((ids, "decode skip", got[3 * i + 1], want_skip))
+        _check_stream(ids[:STREAM_MAX_TOKENS], got[3 * i + 2], enc.decode, mism)
+        if round_trips and i < len(corpus) and want != corpus[i]:
+            mism.append((ids, "round trip", want, corpus[i]))
+    report(mism, f"{name}: decode/stream")
