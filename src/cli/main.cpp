@@ -10,7 +10,8 @@ int main(int argc, char** argv) {
     CLI::App app{"Kestrel: inference and serving for hybrid sparse-attention MoE models"};
     app.require_subcommand(1);
     const std::vector<kestrel::cli::Runner> runners = {kestrel::cli::add_make_model(app),
-                                                       kestrel::cli::add_generate(app)};
+                                                       kestrel::cli::add_generate(app),
+                                                       kestrel::cli::add_tokenize(app)};
     CLI11_PARSE(app, argc, argv);
     for (const auto& run : runners) {
       const int rc = run();
