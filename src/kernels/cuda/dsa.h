@@ -34,7 +34,7 @@ constexpr int kLatentValueDim = 512;  // value part of a latent row
 // One layer's pages of one kind (see the file comment).
 struct Pages {
   uint8_t* base = nullptr;
-  int64_t page_stride = 0;  // bytes from one page to the next
+  int64_t page_stride = 0;  // bytes from one page to the next, a multiple of 16
   int page_size = 0;        // tokens per page, a power of two
 };
 

@@ -18,9 +18,11 @@ inline void require(bool ok, const std::string& what) {
 }
 
 inline void check_pages(const Pages& p, const char* fn) {
-  require(p.base != nullptr && p.page_stride > 0 && p.page_size > 0 && (p.page_size & (p.page_size - 1)) == 0,
-          std::string(fn) + ": pages need a base, a positive page stride and a power-of-two page size, got size " +
-              std::to_string(p.page_size));
+  require(p.base != nullptr && p.page_stride > 0 && p.page_stride % 16 == 0 && p.page_size > 0 &&
+              (p.page_size & (p.page_size - 1)) == 0,
+          std::string(fn) + ": pages need a base, a positive page stride that is a multiple of 16 bytes (rows are " +
+              "read in 16-byte pieces) and a power-of-two page size, got stride " + std::to_string(p.page_stride) +
+              ", size " + std::to_string(p.page_size));
 }
 
 inline int device_sm_count() {

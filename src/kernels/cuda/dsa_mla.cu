@@ -230,15 +230,17 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
     l_run[r] += __shfl_xor_sync(0xFFFFFFFFu, l_run[r], 2);
     const int h = mt * 16 + g + 8 * r;
     if (h >= heads_here) continue;
-    const float inv = l_run[r] > 0.0f ? p.kv_scale / l_run[r] : 0.0f;
+    const float inv = p.kv_scale / l_run[r];
     const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * 0.69314718055994531f : -INFINITY;
     const int64_t hq = row_heads + head0 + h;
     float* dst = p.splits == 1 ? p.out + hq * kLatentValueDim
                                : p.part_o + (hq * p.splits + split) * kLatentValueDim;
+    // A row without any valid index stores +0 itself rather than o * 0, which could be -0.
 #pragma unroll
     for (int n = 0; n < kHalfCols / 8; ++n) {
       const int col = half * kHalfCols + n * 8 + 2 * tq;
-      *reinterpret_cast<float2*>(dst + col) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      *reinterpret_cast<float2*>(dst + col) =
+          l_run[r] > 0.0f ? make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv) : make_float2(0.0f, 0.0f);
     }
     if (half == 0 && tq == 0) {
       if (p.splits == 1) {

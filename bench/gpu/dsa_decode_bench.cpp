@@ -1,0 +1,260 @@
+// One DSA decode layer step on the GPU (index-key scan + top-k + sparse MLA over the FP8 latent) at long context,
+// timed stage by stage and whole, against the roofline of shared/bench/BENCHMARKING.md. Writes a markdown table.
+//
+// Usage: dsa_decode_bench [context=131072]
+// Inputs are random (quantised Gaussian keys, queries and latents, never zeros), the pages of each request are
+// scattered over the pool, and every timed iteration uses another set of requests' caches (sets of caches until
+// they are several times the 60 MB L2), so the timings read the caches from memory.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/formats.h"
+#include "kernels/cuda/dsa.h"
+#include "kernels/cuda/runtime.h"
+
+namespace {
+
+using kestrel::cuda::BlockTable;
+using kestrel::cuda::DeviceBuffer;
+using kestrel::cuda::Pages;
+
+constexpr int kPage = 64;
+constexpr int kTopk = 2048;
+constexpr double kBw = 4.27e12;       // device-to-device copy, bytes read + written (BENCHMARKING.md)
+constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCHMARKING.md)
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    KESTREL_CUDA_CHECK(cudaEventCreate(&a));
+    KESTREL_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+};
+
+// Median time in microseconds of `iters` runs of fn(i) after `warm` untimed ones.
+template <typename F>
+double median_us(int iters, int warm, F&& fn) {
+  for (int i = 0; i < warm; ++i) fn(i);
+  Timer t;
+  std::vector<double> us;
+  for (int i = 0; i < iters; ++i) {
+    KESTREL_CUDA_CHECK(cudaEventRecord(t.a));
+    fn(warm + i);
+    KESTREL_CUDA_CHECK(cudaEventRecord(t.b));
+    KESTREL_CUDA_CHECK(cudaEventSynchronize(t.b));
+    float ms = 0;
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, t.a, t.b));
+    us.push_back(ms * 1e3);
+  }
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+// Fills `dst` with copies of a random host block of whole pages (each page valid: codes never NaN).
+void fill_pages(uint8_t* dst, int64_t pages, int64_t page_bytes, const std::vector<uint8_t>& block) {
+  const int64_t block_pages = static_cast<int64_t>(block.size()) / page_bytes;
+  DeviceBuffer<uint8_t> src(block.size());
+  src.upload(block.data());
+  for (int64_t p = 0; p < pages; p += block_pages) {
+    const int64_t n = std::min(block_pages, pages - p);
+    KESTREL_CUDA_CHECK(cudaMemcpy(dst + p * page_bytes, src.get(), n * page_bytes, cudaMemcpyDeviceToDevice));
+  }
+}
+
+std::vector<uint8_t> index_key_block(std::mt19937& rng, int pages) {
+  std::vector<uint8_t> b(static_cast<size_t>(pages) * kPage * kestrel::cuda::kIndexKeyBytes);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  float x[kestrel::cuda::kIndexHeadDim];
+  for (int p = 0; p < pages; ++p) {
+    uint8_t* page = b.data() + static_cast<size_t>(p) * kPage * kestrel::cuda::kIndexKeyBytes;
+    for (int r = 0; r < kPage; ++r) {
+      for (float& v : x) v = n(rng);
+      const float s = kestrel::quantize_fp8_ue8m0(x, kestrel::cuda::kIndexHeadDim, page + r * 128);
+      std::memcpy(page + kPage * 128 + 4 * r, &s, 4);
+    }
+  }
+  return b;
+}
+
+std::vector<uint8_t> latent_block(std::mt19937& rng, int pages, float kv_scale) {
+  std::vector<uint8_t> b(static_cast<size_t>(pages) * kPage * kestrel::cuda::kLatentDim);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (uint8_t& c : b) c = kestrel::f32_to_e4m3(n(rng) / kv_scale);
+  return b;
+}
+
+struct Result {
+  double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
+};
+
+Result run(int B, int H, int Hi, int L, double* copy_bw) {
+  std::mt19937 rng(12345);
+  const int pages_per_req = L / kPage;
+  // Sets of request caches rotated between iterations: at least ~600 MB of index keys + latents in all.
+  const double set_bytes = static_cast<double>(B) * L * (kestrel::cuda::kIndexKeyBytes + kestrel::cuda::kLatentDim);
+  const int sets = std::max(2, static_cast<int>(std::ceil(600e6 / set_bytes)));
+  const int64_t total_pages = int64_t{sets} * B * pages_per_req;
+  const int64_t ik_page = int64_t{kPage} * kestrel::cuda::kIndexKeyBytes, lat_page = int64_t{kPage} * kestrel::cuda::kLatentDim;
+  DeviceBuffer<uint8_t> ik_pool(total_pages * ik_page), lat_pool(total_pages * lat_page);
+  const float kv_scale = 4.0f / 448.0f;
+  fill_pages(ik_pool.get(), total_pages, ik_page, index_key_block(rng, 512));
+  fill_pages(lat_pool.get(), total_pages, lat_page, latent_block(rng, 256, kv_scale));
+
+  // Scattered pages: one shuffled permutation of the pool, cut into per-request tables, one table per set.
+  std::vector<int32_t> perm(static_cast<size_t>(total_pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<DeviceBuffer<int32_t>> tables;
+  for (int s = 0; s < sets; ++s) {
+    std::vector<int32_t> t(perm.begin() + int64_t{s} * B * pages_per_req, perm.begin() + int64_t{s + 1} * B * pages_per_req);
+    tables.emplace_back(t.size());
+    tables.back().upload(t.data());
+  }
+  std::vector<int32_t> ctx(B, L);
+  DeviceBuffer<int32_t> ctx_d(B);
+  ctx_d.upload(ctx.data());
+
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<uint8_t> qc(static_cast<size_t>(B) * Hi * 128);
+  std::vector<float> x(128), w(static_cast<size_t>(B) * Hi);
+  for (int64_t v = 0; v < int64_t{B} * Hi; ++v) {
+    for (float& e : x) e = n(rng);
+    kestrel::quantize_fp8_ue8m0(x.data(), 128, qc.data() + v * 128);
+    w[v] = n(rng) * 0.01f;
+  }
+  DeviceBuffer<uint8_t> qc_d(qc.size());
+  qc_d.upload(qc.data());
+  DeviceBuffer<float> w_d(w.size());
+  w_d.upload(w.data());
+  std::vector<uint16_t> q_abs(static_cast<size_t>(B) * H * kestrel::cuda::kLatentDim);
+  for (uint16_t& e : q_abs) e = kestrel::f32_to_bf16(n(rng));
+  DeviceBuffer<uint16_t> q_abs_d(q_abs.size());
+  q_abs_d.upload(q_abs.data());
+
+  DeviceBuffer<float> scores(static_cast<size_t>(B) * L);
+  DeviceBuffer<int32_t> idx_exact(static_cast<size_t>(B) * kTopk), idx_fast(static_cast<size_t>(B) * kTopk);
+  DeviceBuffer<float> out(static_cast<size_t>(B) * H * kestrel::cuda::kLatentValueDim), lse(static_cast<size_t>(B) * H);
+  const size_t ws_bytes = kestrel::cuda::sparse_mla_decode_workspace_bytes(B, 1, H, kTopk);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+
+  const kestrel::cuda::IndexQueries queries{qc_d.get(), w_d.get(), B, 1, Hi};
+  auto pages_of = [&](const DeviceBuffer<uint8_t>& pool, int64_t page_bytes) { return Pages{pool.get(), page_bytes, kPage}; };
+  auto table = [&](int i) { return BlockTable{tables[static_cast<size_t>(i % sets)].get(), pages_per_req}; };
+  auto scores_step = [&](int i, kestrel::cuda::IndexScoreMode mode) {
+    kestrel::cuda::index_scores_decode(queries, pages_of(ik_pool, ik_page), table(i), ctx_d.get(), L, mode,
+                                       scores.get(), L, nullptr);
+  };
+  auto topk_step = [&](int32_t* idx) { kestrel::cuda::topk_decode(scores.get(), L, B, 1, ctx_d.get(), L, kTopk, idx, nullptr); };
+  auto mla_step = [&](int i, const int32_t* idx) {
+    kestrel::cuda::SparseMlaDecodeArgs a;
+    a.q_abs = q_abs_d.get();
+    a.batch = B;
+    a.heads = H;
+    a.indices = idx;
+    a.k = kTopk;
+    a.ctx_lens = ctx_d.get();
+    a.latent_pages = pages_of(lat_pool, lat_page);
+    a.block_table = table(i);
+    a.kv_scale = kv_scale;
+    a.softmax_scale = 0.1352338f;
+    a.out = out.get();
+    a.lse = lse.get();
+    kestrel::cuda::sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
+  };
+
+  // Recall of the fast mode's top-k against the exact one, on set 0.
+  scores_step(0, kestrel::cuda::IndexScoreMode::exact);
+  topk_step(idx_exact.get());
+  scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
+  topk_step(idx_fast.get());
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> ie(idx_exact.size()), ifast(idx_fast.size());
+  idx_exact.download(ie.data());
+  idx_fast.download(ifast.data());
+  int64_t common = 0;
+  for (int b = 0; b < B; ++b) {
+    std::vector<int32_t> e(ie.begin() + int64_t{b} * kTopk, ie.begin() + int64_t{b + 1} * kTopk);
+    std::vector<int32_t> f(ifast.begin() + int64_t{b} * kTopk, ifast.begin() + int64_t{b + 1} * kTopk), both;
+    std::set_intersection(e.begin(), e.end(), f.begin(), f.end(), std::back_inserter(both));
+    common += static_cast<int64_t>(both.size());
+  }
+
+  Result r{};
+  r.recall = static_cast<double>(common) / (static_cast<double>(B) * kTopk);
+  const int iters = 20, warm = 3;
+  r.scores_exact = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::exact); });
+  r.scores_fast = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
+  r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
+  r.mla = median_us(iters, warm, [&](int i) { mla_step(i, idx_exact.get()); });
+  r.step_exact = median_us(iters, warm, [&](int i) {
+    scores_step(i, kestrel::cuda::IndexScoreMode::exact);
+    topk_step(idx_exact.get());
+    mla_step(i, idx_exact.get());
+  });
+  r.step_fast = median_us(iters, warm, [&](int i) {
+    scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8);
+    topk_step(idx_fast.get());
+    mla_step(i, idx_fast.get());
+  });
+  if (*copy_bw == 0) {
+    // The copy ceiling in this run: bytes read + written over the time of a large device-to-device copy.
+    const size_t half = static_cast<size_t>(std::min<int64_t>(total_pages * lat_page / 2, int64_t{1} << 30));
+    const double us = median_us(10, 2, [&](int) {
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(lat_pool.get() + half, lat_pool.get(), half, cudaMemcpyDeviceToDevice));
+    });
+    *copy_bw = 2.0 * half / (us * 1e-6);
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int L = argc > 1 ? std::atoi(argv[1]) : 131072;
+  if (kestrel::cuda::device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, context %d, top-%d, page %d, n_q 1\n", prop.name, prop.multiProcessorCount, L,
+              kTopk, kPage);
+  struct Config {
+    int B, H, Hi;
+  };
+  const Config configs[] = {{1, 128, 64}, {32, 128, 64}, {1, 96, 64}, {32, 96, 64}, {32, 128, 32}, {64, 128, 64}};
+  double copy_bw = 0;
+  std::printf(
+      "\n| B | H | H_I | scores exact | scores fp8 | top-k | sparse MLA | step exact | step fp8 | roofline | "
+      "roofline/step exact | roofline/step fp8 | fp8 top-k recall |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Config& c : configs) {
+    const Result r = run(c.B, c.H, c.Hi, L, &copy_bw);
+    // Roofline (BENCHMARKING.md): 132 L / BW + max(576 K / BW, 2176 h K / F) per request, at the measured copy BW.
+    const double scan = static_cast<double>(c.B) * 132.0 * L / copy_bw;
+    const double attn = std::max(static_cast<double>(c.B) * 576.0 * kTopk / copy_bw, static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
+    const double roof_us = (scan + attn) * 1e6;
+    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f |\n", c.B, c.H,
+                c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
+                roof_us / r.step_exact, roof_us / r.step_fast, r.recall);
+    std::fflush(stdout);
+  }
+  std::printf("\ntimes in microseconds, medians of 20 after 3 warm-ups; copy bandwidth measured in this run: %.2f TB/s "
+              "(BENCHMARKING.md: %.2f); bf16 rate for the compute term: %.0f TFLOP/s\n",
+              copy_bw / 1e12, kBw / 1e12, kBf16Flops / 1e12);
+  return 0;
+}
