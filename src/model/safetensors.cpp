@@ -45,7 +45,8 @@ constexpr DTypeInfo kDTypes[] = {
     {DType::BF16, "BF16", 2}, {DType::F8_E4M3, "F8_E4M3", 1}, {DType::I64, "I64", 8},
     {DType::I32, "I32", 4},   {DType::I16, "I16", 2},         {DType::I8, "I8", 1},
     {DType::U64, "U64", 8},   {DType::U32, "U32", 4},         {DType::U16, "U16", 2},
-    {DType::U8, "U8", 1},     {DType::BOOL, "BOOL", 1},
+    {DType::U8, "U8", 1},     {DType::BOOL, "BOOL", 1},       {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::F8_E8M0, "F8_E8M0", 1},  // MXFP4 block scales in some checkpoints
 };
 
 const DTypeInfo& dtype_info(DType d) {

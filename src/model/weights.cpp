@@ -81,8 +81,8 @@ Tensor WeightLoader::linear(const std::string& prefix, int64_t out, int64_t in) 
     if (q.dtype != DType::U8 || q.shape != std::vector<int64_t>{out, in / 2})
       fail("tensor '{}' must be U8 {}, got {} {}", packed, shape_str({out, in / 2}), dtype_name(q.dtype),
            shape_str(q.shape));
-    if (s.dtype != DType::U8 || s.shape != std::vector<int64_t>{out, in / 32})
-      fail("tensor '{}.weight_scale' must be U8 {}, got {} {}", prefix, shape_str({out, in / 32}),
+    if ((s.dtype != DType::U8 && s.dtype != DType::F8_E8M0) || s.shape != std::vector<int64_t>{out, in / 32})
+      fail("tensor '{}.weight_scale' must be U8 or F8_E8M0 {}, got {} {}", prefix, shape_str({out, in / 32}),
            dtype_name(s.dtype), shape_str(s.shape));
     Tensor t({out, in});
     mxfp4_decode(q.bytes.data(), s.bytes.data(), out * in, t.ptr());

@@ -110,17 +110,18 @@ TEST(DType, NamesSizesAndParsing) {
       {DType::F64, "F64", 8}, {DType::F32, "F32", 4},   {DType::F16, "F16", 2},         {DType::BF16, "BF16", 2},
       {DType::I64, "I64", 8}, {DType::I32, "I32", 4},   {DType::I16, "I16", 2},         {DType::I8, "I8", 1},
       {DType::U64, "U64", 8}, {DType::U32, "U32", 4},   {DType::U16, "U16", 2},         {DType::U8, "U8", 1},
-      {DType::BOOL, "BOOL", 1}, {DType::F8_E4M3, "F8_E4M3", 1}};
+      {DType::BOOL, "BOOL", 1}, {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
+      {DType::F8_E8M0, "F8_E8M0", 1}};
   for (const auto& [d, name, size] : expected) {
     EXPECT_EQ(dtype_name(d), name);
     EXPECT_EQ(dtype_size(d), size) << name;
     EXPECT_EQ(parse_dtype(name), d);
   }
   try {
-    parse_dtype("F8_E5M2");
+    parse_dtype("F4_E2M1");
     ADD_FAILURE();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("F8_E5M2"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("F4_E2M1"), std::string::npos);
   }
   EXPECT_THROW(parse_dtype("f32"), Error);  // the spelling is case-sensitive
 }
