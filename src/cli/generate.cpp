@@ -1,4 +1,4 @@
-// kestrel generate: offline generation on the CPU reference.
+// kestrel generate: offline generation of many prompts at once through the engine, on the CPU reference.
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -13,13 +13,13 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/npy.h"
-#include "engine/sampler.h"
+#include "engine/engine.h"
 #include "model/model.h"
 
 namespace kestrel::cli {
 namespace {
 
-std::vector<int32_t> parse_ids(const std::string& s) {
+std::vector<int32_t> parse_ids(const std::string& s, const char* flag) {
   std::vector<int32_t> ids;
   size_t i = 0;
   while (i < s.size()) {
@@ -34,93 +34,153 @@ std::vector<int32_t> parse_ids(const std::string& s) {
       } catch (const std::exception&) {
         used = 0;
       }
-      if (used != tok.size() || v < 0 || v > INT32_MAX) fail("--prompt-ids: '{}' is not a token id", tok);
+      if (used != tok.size() || v < 0 || v > INT32_MAX) fail("{}: '{}' is not a token id", flag, tok);
       ids.push_back(static_cast<int32_t>(v));
     }
     i = j + 1;
   }
-  if (ids.empty()) fail("--prompt-ids: no token ids given");
   return ids;
 }
 
 struct GenerateArgs {
-  std::string model_dir, prompt_ids, prompt, dump_logits, output_json, kv_cache_dtype = "auto";
-  int max_tokens = 16;
-  float temperature = 0.0f, top_p = 1.0f;
-  uint64_t seed = 0;
-  bool ignore_eos = false;
+  std::string model_dir, prompt, dump_logits, output_json, kv_cache_dtype = "auto", index_dtype = "fp8";
+  std::string kda_prefill = "chunked", stop_token_ids;
+  std::vector<std::string> prompt_ids;
+  SamplingParams sampling;
+  EngineConfig engine;
+  int64_t cache_mib = 256;
+  bool no_prefix_caching = false;
 };
 
-int run_generate(const GenerateArgs& a) {
+ModelOptions model_options(const GenerateArgs& a) {
+  ModelOptions o;
+  if (a.kv_cache_dtype == "fp8") o.latent_cache = LatentCacheDtype::fp8;
+  else if (a.kv_cache_dtype == "nvfp4") o.latent_cache = LatentCacheDtype::nvfp4;
+  else if (a.kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", a.kv_cache_dtype);
+  if (a.index_dtype == "mxfp4") o.index_keys = IndexKeyDtype::mxfp4;
+  else if (a.index_dtype != "fp8") fail("--index-dtype '{}' is not one of fp8, mxfp4", a.index_dtype);
+  if (a.kda_prefill == "recurrent") o.kda_chunked_prefill = false;
+  else if (a.kda_prefill != "chunked") fail("--kda-prefill '{}' is not one of chunked, recurrent", a.kda_prefill);
+  return o;
+}
+
+int run_generate(GenerateArgs a) {
   if (!a.prompt.empty())
     fail("--prompt needs the tokenizer, which this build does not have yet; pass --prompt-ids");
   if (a.prompt_ids.empty()) fail("generate needs --prompt-ids");
-  KESTREL_CHECK(a.max_tokens >= 1, "--max-tokens must be >= 1, got {}", a.max_tokens);
-  ModelOptions opts;
-  if (a.kv_cache_dtype == "fp8") opts.latent_cache = LatentCacheDtype::fp8;
-  else if (a.kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not supported on the CPU (auto, fp8)", a.kv_cache_dtype);
+  std::vector<std::vector<int32_t>> prompts;
+  for (const std::string& p : a.prompt_ids) {
+    prompts.push_back(parse_ids(p, "--prompt-ids"));
+    if (prompts.back().empty()) fail("--prompt-ids: no token ids given");
+  }
+  const bool dump = !a.dump_logits.empty();
+  if (dump && (prompts.size() != 1 || a.sampling.n != 1))
+    fail("--dump-logits writes the logits of one sequence: give one --prompt-ids and --n 1");
+  if (!a.stop_token_ids.empty()) a.sampling.stop_token_ids = parse_ids(a.stop_token_ids, "--stop-token-ids");
+  a.engine.cache_bytes = a.cache_mib << 20;
+  a.engine.enable_prefix_caching = !a.no_prefix_caching;
 
   const auto t0 = std::chrono::steady_clock::now();
-  const auto model = Model::load(a.model_dir, opts);
+  const auto model = Model::load(a.model_dir, model_options(a));
   const ModelConfig& cfg = model->config();
   const auto t1 = std::chrono::steady_clock::now();
+  Engine engine(*model, a.engine);
+  const CachePlan& plan = engine.cache_plan();
+  const int32_t rows = engine.cache().pool().num_rows();
+  std::fprintf(stderr,
+               "[kestrel] cache: %d rows of %lld B (%.1f MiB), B = %d, %lld B per token, %d state row(s) per request; "
+               "max_model_len %lld: %lld full-length sequence(s) fit\n",
+               rows, static_cast<long long>(plan.row_bytes), rows * static_cast<double>(plan.row_bytes) / (1 << 20),
+               plan.block_size, static_cast<long long>(plan.token_bytes), plan.state_rows_per_request,
+               static_cast<long long>(engine.max_model_len()),
+               static_cast<long long>(rows / plan.rows_per_request(engine.max_model_len())));
 
-  std::vector<int32_t> prompt = parse_ids(a.prompt_ids);
-  const int64_t V = cfg.vocab_size;
-  const bool dump = !a.dump_logits.empty();
-  std::vector<float> all_logits, logits(static_cast<size_t>(prompt.size()) * V);
-  SequenceState seq = model->new_sequence();
-  model->forward(seq, prompt.data(), static_cast<int64_t>(prompt.size()), logits.data(), !dump);
-  const float* last = logits.data() + (dump ? (prompt.size() - 1) * V : 0);
-  if (dump) all_logits = logits;
+  for (auto& p : prompts) engine.add_request(p, a.sampling, 0, dump);
+  const std::vector<RequestOutput> outputs = engine.run_to_completion();
   const auto t2 = std::chrono::steady_clock::now();
 
-  Sampler sampler(SamplingParams{a.temperature, a.top_p, a.seed});
-  std::vector<int32_t> out;
-  std::vector<float> step(V);
-  for (int i = 0; i < a.max_tokens; ++i) {
-    const int32_t tok = sampler.sample(last, V);
-    out.push_back(tok);
-    if ((!a.ignore_eos && tok == cfg.eos_token_id) || i + 1 == a.max_tokens) break;
-    model->forward(seq, &tok, 1, step.data());
-    if (dump) all_logits.insert(all_logits.end(), step.begin(), step.end());
-    last = step.data();
-  }
-  const auto t3 = std::chrono::steady_clock::now();
-
-  std::string ids;
-  for (int32_t t : out) ids += fmt::format("{}{}", ids.empty() ? "" : " ", t);
-  std::printf("%s\n", ids.c_str());
-  const double load_s = std::chrono::duration<double>(t1 - t0).count();
-  const double prefill_s = std::chrono::duration<double>(t2 - t1).count();
-  const double decode_s = std::chrono::duration<double>(t3 - t2).count();
-  std::fprintf(stderr, "[kestrel] %s: load %.3f s, prefill %zu tokens %.3f s, decode %zu tokens %.3f s\n",
-               arch_name(cfg.arch), load_s, prompt.size(), prefill_s, out.size(), decode_s);
-  if (dump) write_npy(a.dump_logits, all_logits.data(), {static_cast<int64_t>(all_logits.size() / V), V});
+  std::ofstream json;
   if (!a.output_json.empty()) {
-    std::ofstream f(a.output_json);
-    if (!f) fail("cannot write {}", a.output_json);
-    f << nlohmann::json{{"prompt_ids", prompt}, {"output_ids", out}}.dump() << "\n";
+    json.open(a.output_json);
+    if (!json) fail("cannot write {}", a.output_json);
   }
+  int64_t generated = 0;
+  for (const RequestOutput& r : outputs)
+    for (const Completion& c : r.completions) {
+      std::string ids;
+      for (int32_t t : c.token_ids) ids += fmt::format("{}{}", ids.empty() ? "" : " ", t);
+      std::printf("%s\n", ids.c_str());
+      generated += static_cast<int64_t>(c.token_ids.size());
+      if (json.is_open()) {
+        nlohmann::json j{{"request", r.id},        {"index", c.index},
+                         {"prompt_ids", r.prompt}, {"output_ids", c.token_ids},
+                         {"finish_reason", finish_reason_name(c.finish)}};
+        if (a.sampling.logprobs >= 0) {
+          nlohmann::json lps = nlohmann::json::array();
+          for (const TokenLogprob& lp : c.logprobs) {
+            nlohmann::json top = nlohmann::json::array();
+            for (const auto& [t, l] : lp.top) top.push_back({t, l});
+            lps.push_back({{"token", lp.token}, {"logprob", lp.logprob}, {"top", top}});
+          }
+          j["logprobs"] = lps;
+        }
+        json << j.dump() << "\n";
+      }
+      if (dump) {
+        const int64_t V = cfg.vocab_size;
+        write_npy(a.dump_logits, c.logits.data(), {static_cast<int64_t>(c.logits.size()) / V, V});
+      }
+    }
+  const EngineStats st = engine.stats();
+  std::fprintf(stderr,
+               "[kestrel] %s: load %.3f s; %zu prompt(s), %lld tokens generated in %lld steps (%lld tokens computed) "
+               "%.3f s; prefix cache: %lld of %lld tokens hit, KDA checkpoints %lld taken / %lld used; %lld "
+               "preemption(s)\n",
+               arch_name(cfg.arch), std::chrono::duration<double>(t1 - t0).count(), prompts.size(),
+               static_cast<long long>(generated), static_cast<long long>(st.steps),
+               static_cast<long long>(st.computed_tokens), std::chrono::duration<double>(t2 - t1).count(),
+               static_cast<long long>(st.prefix.hit_tokens), static_cast<long long>(st.prefix.query_tokens),
+               static_cast<long long>(st.prefix.checkpoints_taken), static_cast<long long>(st.prefix.checkpoints_used),
+               static_cast<long long>(st.preemptions));
   return 0;
 }
 
 }  // namespace
 
 Runner add_generate(CLI::App& app) {
-  auto* gen = app.add_subcommand("generate", "offline generation on the CPU reference");
+  auto* gen = app.add_subcommand("generate", "offline generation of many prompts at once through the engine (CPU)");
   auto g = std::make_shared<GenerateArgs>();
+  SamplingParams& s = g->sampling;
+  EngineConfig& e = g->engine;
   gen->add_option("model_dir", g->model_dir, "checkpoint directory")->required();
-  gen->add_option("--prompt-ids", g->prompt_ids, "comma-separated token ids");
+  gen->add_option("--prompt-ids", g->prompt_ids, "comma-separated token ids of one prompt; repeat for more prompts");
   gen->add_option("--prompt", g->prompt, "prompt text (needs the tokenizer)");
-  gen->add_option("--max-tokens", g->max_tokens, "tokens to generate");
-  gen->add_option("--temperature", g->temperature, "0 = greedy (default)");
-  gen->add_option("--top-p", g->top_p, "nucleus sampling mass");
-  gen->add_option("--seed", g->seed, "sampling seed");
-  gen->add_flag("--ignore-eos", g->ignore_eos, "do not stop at the end-of-sequence token");
-  gen->add_option("--kv-cache-dtype", g->kv_cache_dtype, "auto | fp8");
-  gen->add_option("--dump-logits", g->dump_logits, "write fp32 logits [positions, vocab] as .npy");
-  gen->add_option("--output-json", g->output_json, "write prompt and output ids as JSON");
+  gen->add_option("--max-tokens", s.max_tokens, "tokens to generate per completion")->capture_default_str();
+  gen->add_option("--n", s.n, "completions per prompt (they share the prompt's cache rows)")->capture_default_str();
+  gen->add_option("--temperature", s.temperature, "0 = greedy (default)");
+  gen->add_option("--top-p", s.top_p, "nucleus sampling mass");
+  gen->add_option("--top-k", s.top_k, "sample among the k most likely tokens (0: all)");
+  gen->add_option("--min-p", s.min_p, "drop tokens below min-p times the most likely one's probability");
+  gen->add_option("--presence-penalty", s.presence_penalty, "subtracted from logits of generated tokens");
+  gen->add_option("--frequency-penalty", s.frequency_penalty, "subtracted per occurrence among generated tokens");
+  gen->add_option("--repetition-penalty", s.repetition_penalty, "divides (or multiplies) logits of seen tokens");
+  gen->add_option("--seed", s.seed, "sampling seed (each completion draws its own stream)");
+  gen->add_option("--logprobs", s.logprobs, "log-probabilities with this many top alternatives (in --output-json)");
+  gen->add_option("--stop-token-ids", g->stop_token_ids, "comma-separated ids that end a completion");
+  gen->add_flag("--ignore-eos", s.ignore_eos, "do not stop at the end-of-sequence token");
+  gen->add_option("--kv-cache-dtype", g->kv_cache_dtype, "MLA latent cache: auto (fp32 on the CPU) | fp8 | nvfp4");
+  gen->add_option("--index-dtype", g->index_dtype, "DSA index keys: fp8 | mxfp4");
+  gen->add_option("--kda-prefill", g->kda_prefill,
+                  "chunked (default) | recurrent (token by token everywhere: every split is bit-exact)");
+  gen->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
+      ->capture_default_str();
+  gen->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
+  gen->add_option("--cache-mib", g->cache_mib, "cache pool size")->capture_default_str();
+  gen->add_option("--block-size", e.block_size, "tokens per cache row (power of two; 0: the planner's choice)");
+  gen->add_option("--max-model-len", e.max_model_len, "longest sequence (0: the model's max_position_embeddings)");
+  gen->add_flag("--no-prefix-caching", g->no_prefix_caching, "do not reuse cached prefixes");
+  gen->add_option("--dump-logits", g->dump_logits, "write fp32 logits [positions, vocab] of one sequence as .npy");
+  gen->add_option("--output-json", g->output_json, "write one JSON object per completion (JSON Lines)");
   return [gen, g]() { return gen->parsed() ? run_generate(*g) : -1; };
 }
 

@@ -3,52 +3,133 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <vector>
 
 #include "core/error.h"
 
 namespace kestrel {
 
-Sampler::Sampler(const SamplingParams& p) : p_(p), state_(p.seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) {
-  KESTREL_CHECK(p.temperature >= 0.0f && std::isfinite(p.temperature), "temperature must be >= 0, got {}",
-                p.temperature);
-  KESTREL_CHECK(p.top_p > 0.0f && p.top_p <= 1.0f, "top_p must be in (0, 1], got {}", p.top_p);
+void SamplingParams::validate(int64_t vocab) const {
+  KESTREL_CHECK(n >= 1, "n must be >= 1, got {}", n);
+  KESTREL_CHECK(max_tokens >= 1, "max_tokens must be >= 1, got {}", max_tokens);
+  KESTREL_CHECK(temperature >= 0.0f && std::isfinite(temperature), "temperature must be >= 0, got {}", temperature);
+  KESTREL_CHECK(top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got {}", top_p);
+  KESTREL_CHECK(top_k >= 0, "top_k must be >= 0 (0: off), got {}", top_k);
+  KESTREL_CHECK(min_p >= 0.0f && min_p <= 1.0f, "min_p must be in [0, 1], got {}", min_p);
+  KESTREL_CHECK(std::isfinite(presence_penalty) && std::isfinite(frequency_penalty),
+                "presence and frequency penalties must be finite");
+  KESTREL_CHECK(repetition_penalty > 0.0f && std::isfinite(repetition_penalty),
+                "repetition_penalty must be > 0, got {}", repetition_penalty);
+  KESTREL_CHECK(logprobs >= -1 && logprobs <= vocab, "logprobs must be in [0, {}] (or -1: none), got {}", vocab,
+                logprobs);
+  for (int32_t t : stop_token_ids)
+    KESTREL_CHECK(t >= 0 && t < vocab, "stop token id {} is outside the vocabulary (0..{})", t, vocab - 1);
 }
 
-int32_t Sampler::sample(const float* logits, int64_t vocab) {
-  if (p_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
-  std::vector<int32_t> order(vocab);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
-  const double mx = logits[order[0]];
-  std::vector<double> prob(vocab);
-  double total = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) total += prob[i] = std::exp((logits[order[i]] - mx) / p_.temperature);
-  int64_t keep = vocab;
-  if (p_.top_p < 1.0f) {
+Sampler::Sampler(const SamplingParams& p, std::span<const int32_t> prompt, uint64_t stream)
+    : p_(p), state_(p.seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull + stream * 0xD1B54A32D192ED03ull) {
+  if (p.repetition_penalty != 1.0f) prompt_tokens_.insert(prompt.begin(), prompt.end());
+}
+
+bool Sampler::penalised() const {
+  return p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f || p_.repetition_penalty != 1.0f;
+}
+
+// splitmix64: one step of the stream.
+uint64_t Sampler::next_random() {
+  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+int32_t Sampler::sample(const float* raw, int64_t vocab, TokenLogprob* logprob) {
+  std::vector<float> penalised_logits;
+  const float* logits = raw;
+  if (penalised()) {
+    penalised_logits.assign(raw, raw + vocab);
+    const float r = p_.repetition_penalty;
+    auto repeat = [&](int32_t t) {
+      float& l = penalised_logits[t];
+      l = l > 0.0f ? l / r : l * r;
+    };
+    if (r != 1.0f) {
+      for (int32_t t : prompt_tokens_) repeat(t);
+      for (const auto& [t, count] : generated_)
+        if (!prompt_tokens_.count(t)) repeat(t);
+    }
+    for (const auto& [t, count] : generated_)
+      penalised_logits[t] -= p_.frequency_penalty * static_cast<float>(count) + p_.presence_penalty;
+    logits = penalised_logits.data();
+  }
+
+  int32_t token = 0;
+  if (p_.temperature == 0.0f) {
+    token = static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  } else {
+    // Candidates by decreasing logit (ties: lower id); probabilities in double relative to the largest.
+    std::vector<int32_t> order(vocab);
+    std::iota(order.begin(), order.end(), 0);
+    auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    int64_t keep = vocab;
+    if (p_.top_k > 0 && p_.top_k < vocab) {
+      keep = p_.top_k;
+      std::partial_sort(order.begin(), order.begin() + keep, order.end(), better);
+    } else {
+      std::sort(order.begin(), order.end(), better);
+    }
+    const double top = logits[order[0]];
+    std::vector<double> prob(keep);
+    double kept = 0.0;
+    for (int64_t i = 0; i < keep; ++i) kept += prob[i] = std::exp((logits[order[i]] - top) / p_.temperature);
+    if (p_.top_p < 1.0f) {
+      // The smallest head of the (top-k) candidates whose renormalised mass reaches top_p.
+      double cum = 0.0;
+      for (int64_t i = 0; i < keep; ++i) {
+        cum += prob[i] / kept;
+        if (cum >= p_.top_p) {
+          keep = i + 1;
+          break;
+        }
+      }
+    }
+    if (p_.min_p > 0.0f) {
+      const double floor = p_.min_p * prob[0];
+      int64_t i = 1;
+      while (i < keep && prob[i] >= floor) ++i;
+      keep = i;
+    }
+    double mass = 0.0;
+    for (int64_t i = 0; i < keep; ++i) mass += prob[i];
+    const double u = static_cast<double>(next_random() >> 11) * (1.0 / 9007199254740992.0) * mass;
     double cum = 0.0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      cum += prob[i] / total;
-      if (cum >= p_.top_p) {
-        keep = i + 1;
+    token = order[keep - 1];
+    for (int64_t i = 0; i < keep; ++i) {
+      cum += prob[i];
+      if (u < cum) {
+        token = order[i];
         break;
       }
     }
   }
-  double kept = 0.0;
-  for (int64_t i = 0; i < keep; ++i) kept += prob[i];
-  // splitmix64 step -> uniform in [0, 1) with 53 bits
-  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  const double u = static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0) * kept;
-  double cum = 0.0;
-  for (int64_t i = 0; i < keep; ++i) {
-    cum += prob[i];
-    if (u < cum) return order[i];
+
+  if (logprob) {
+    const float mx = *std::max_element(raw, raw + vocab);
+    double total = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(raw[i]) - mx);
+    const double lse = mx + std::log(total);
+    logprob->token = token;
+    logprob->logprob = static_cast<float>(raw[token] - lse);
+    logprob->top.clear();
+    if (p_.logprobs > 0) {
+      std::vector<int32_t> ids(vocab);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::partial_sort(ids.begin(), ids.begin() + p_.logprobs, ids.end(),
+                        [&](int32_t a, int32_t b) { return raw[a] > raw[b] || (raw[a] == raw[b] && a < b); });
+      for (int i = 0; i < p_.logprobs; ++i) logprob->top.emplace_back(ids[i], static_cast<float>(raw[ids[i]] - lse));
+    }
   }
-  return order[keep - 1];
+  ++generated_[token];
+  return token;
 }
 
 }  // namespace kestrel

@@ -1,24 +1,57 @@
-// Token sampling from one row of logits: greedy at temperature 0, else temperature + top-p with a seeded,
-// per-request random stream (the same seed gives the same tokens on every machine).
+// Token sampling from one row of logits, per sequence: penalties, greedy or temperature sampling with top-k,
+// top-p and min-p, log-probabilities with top-n alternatives. Each sequence draws from its own random stream,
+// advanced once per sampled token, so a seed gives the same tokens alone or in any batch, on every machine.
 #pragma once
 #include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
 namespace kestrel {
 
 struct SamplingParams {
-  float temperature = 0.0f;  // 0: greedy (ties to the lower id)
+  int n = 1;                     // completions of the prompt (they share its rows)
+  int max_tokens = 16;
+  float temperature = 0.0f;      // 0: greedy (ties to the lower id)
   float top_p = 1.0f;
+  int top_k = 0;                 // 0: all tokens
+  float min_p = 0.0f;            // drop tokens whose probability is below min_p times the largest
+  float presence_penalty = 0.0f;   // subtracted once from the logit of every token already generated
+  float frequency_penalty = 0.0f;  // subtracted per occurrence among the generated tokens
+  float repetition_penalty = 1.0f; // logits of tokens in the prompt or generated: divided by it if > 0, else times
   uint64_t seed = 0;
+  int logprobs = -1;             // >= 0: the sampled token's log-probability and that many top alternatives
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+
+  // Error naming the first invalid field.
+  void validate(int64_t vocab) const;
+};
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // the highest-probability tokens, best first (ties: lower id)
 };
 
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& p);
-  int32_t sample(const float* logits, int64_t vocab);
+  // stream: the index of the completion among the request's n (each draws from its own stream).
+  Sampler(const SamplingParams& p, std::span<const int32_t> prompt, uint64_t stream = 0);
+  // Chooses the next token and counts it as generated. Log-probabilities, when asked for, are those of the
+  // model's distribution (the raw logits, before penalties and temperature).
+  int32_t sample(const float* logits, int64_t vocab, TokenLogprob* logprob = nullptr);
 
  private:
+  bool penalised() const;
+  uint64_t next_random();
+
   SamplingParams p_;
   uint64_t state_;
+  std::unordered_set<int32_t> prompt_tokens_;
+  std::unordered_map<int32_t, int> generated_;
 };
 
 }  // namespace kestrel

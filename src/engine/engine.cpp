@@ -1,0 +1,246 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "core/error.h"
+
+namespace kestrel {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::none: return "none";
+    case FinishReason::stop: return "stop";
+    case FinishReason::length: return "length";
+    case FinishReason::abort: return "abort";
+  }
+  return "?";
+}
+
+namespace {
+
+int64_t model_max_len(const Model& model, const EngineConfig& cfg) {
+  const int64_t model_max = model.config().max_position_embeddings;
+  KESTREL_CHECK(cfg.max_model_len >= 0 && (model_max <= 0 || cfg.max_model_len <= model_max),
+                "max_model_len {} is beyond the model's max_position_embeddings {}", cfg.max_model_len, model_max);
+  return cfg.max_model_len ? cfg.max_model_len : model_max;
+}
+
+CachePlan engine_plan(const Model& model, const EngineConfig& cfg) {
+  const int min_block = std::max(16, model.prefill_alignment());
+  return plan_cache(model.cache_specs(), {.block_size = cfg.block_size,
+                                          .min_block_size = min_block,
+                                          .max_block_size = std::max(min_block, cfg.max_block_size),
+                                          .max_model_len = model_max_len(model, cfg)});
+}
+
+int32_t pool_rows(const CachePlan& plan, const EngineConfig& cfg) {
+  const int64_t rows = cfg.num_rows ? cfg.num_rows : cfg.cache_bytes / plan.row_bytes;
+  KESTREL_CHECK(rows >= 1 + plan.state_rows_per_request && rows <= INT32_MAX,
+                "a cache of {} rows of {} bytes cannot hold a sequence ({} state rows + 1 token row)", rows,
+                plan.row_bytes, plan.state_rows_per_request);
+  return static_cast<int32_t>(rows);
+}
+
+// An explicit max_model_len must fit in the cache; without one it is the model's, capped at what the cache holds.
+int64_t resolve_max_model_len(const Model& model, const EngineConfig& cfg, const CachePlan& plan, int32_t rows) {
+  const int64_t fits = (rows - plan.state_rows_per_request) * int64_t{plan.block_size};
+  const int64_t len = model_max_len(model, cfg);
+  if (cfg.max_model_len == 0) return len > 0 ? std::min(len, fits) : fits;
+  KESTREL_CHECK(plan.rows_per_request(len) <= rows,
+                "max_model_len {} needs {} rows of {} bytes ({} tokens per row, {} state rows per sequence), the cache "
+                "has {}; lower max_model_len to at most {} or give the cache more memory",
+                len, plan.rows_per_request(len), plan.row_bytes, plan.block_size, plan.state_rows_per_request, rows,
+                fits);
+  return len;
+}
+
+}  // namespace
+
+Engine::Engine(const Model& model, const EngineConfig& cfg)
+    : model_(model),
+      cfg_(cfg),
+      cache_(engine_plan(model, cfg), pool_rows(engine_plan(model, cfg), cfg), cfg.enable_prefix_caching),
+      max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
+      scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
+                                 cfg.checkpoint_interval},
+                 cache_),
+      runner_(model, cache_) {}
+
+RequestId Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& params, int priority,
+                              bool keep_logits, uint64_t cache_key) {
+  const int64_t V = model_.config().vocab_size, P = static_cast<int64_t>(prompt.size());
+  KESTREL_CHECK(P >= 1, "a request needs at least one prompt token");
+  for (int32_t t : prompt) KESTREL_CHECK(t >= 0 && t < V, "prompt token id {} is outside the vocabulary (0..{})", t, V - 1);
+  params.validate(V);
+  KESTREL_CHECK(P + params.max_tokens <= max_model_len_,
+                "request of {} prompt tokens + max_tokens {} exceeds max_model_len {} (what the cache holds for one "
+                "sequence)",
+                P, params.max_tokens, max_model_len_);
+  auto r = std::make_unique<Request>();
+  r->id = next_id_++;
+  r->params = params;
+  r->priority = priority;
+  r->cache_key = cache_key;
+  r->keep_logits = keep_logits;
+  r->arrival = r->id;
+  r->prompt = std::move(prompt);
+  r->seqs.push_back(std::make_unique<Sequence>(r.get(), 0, r->prompt, P, Sampler(params, r->prompt, 0)));
+  scheduler_.add_waiting(r->seqs[0].get());
+  const RequestId id = r->id;
+  requests_.emplace(id, std::move(r));
+  return id;
+}
+
+RequestOutput Engine::abort(RequestId id) {
+  const auto it = requests_.find(id);
+  KESTREL_CHECK(it != requests_.end(), "no unfinished request {}", id);
+  for (auto& s : it->second->seqs)
+    if (s->status != Sequence::Status::finished) {
+      scheduler_.remove(s.get());
+      s->finish = FinishReason::abort;
+    }
+  RequestOutput out = collect(*it->second);
+  requests_.erase(it);
+  return out;
+}
+
+void Engine::finish_if_done(Sequence& s, int32_t token) {
+  const SamplingParams& p = s.request->params;
+  const auto& stops = p.stop_token_ids;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end() ||
+      (!p.ignore_eos && token == model_.config().eos_token_id))
+    s.finish = FinishReason::stop;
+  else if (s.num_generated() >= p.max_tokens)
+    s.finish = FinishReason::length;
+  else
+    return;
+  scheduler_.remove(&s);
+}
+
+void Engine::sample(Sequence& s, const float* logits, StepOutput& out) {
+  const bool want_logprobs = s.request->params.logprobs >= 0;
+  TokenLogprob lp;
+  const int32_t token = s.sampler.sample(logits, model_.config().vocab_size, want_logprobs ? &lp : nullptr);
+  if (want_logprobs) s.logprobs.push_back(std::move(lp));
+  s.tokens.push_back(token);
+  out.tokens.push_back({s.request->id, s.index, token});
+  ++stats_.generated_tokens;
+  finish_if_done(s, token);
+}
+
+// The other n - 1 completions start from the parent's prompt rows: full blocks shared, the partial block and the
+// states copied. A child that finds no row (or no sequence slot) waits and recomputes its prompt, which gives the
+// same bits.
+void Engine::fork(Sequence& parent, const float* logits, StepOutput& out) {
+  Request& r = *parent.request;
+  r.forked = true;
+  for (int i = 1; i < r.params.n; ++i) {
+    auto child = std::make_unique<Sequence>(&r, i, parent.tokens, parent.prompt_len, Sampler(r.params, r.prompt, i));
+    child->logits = parent.logits;
+    child->logits_first = parent.logits_first;
+    child->logits_kept = parent.logits_kept;
+    std::vector<RowOp> ops;
+    if (scheduler_.num_running() < cfg_.max_num_seqs &&
+        cache_.fork(parent.rows, parent.num_computed, child->rows, ops)) {
+      runner_.apply(ops);
+      child->num_computed = parent.num_computed;
+      scheduler_.add_running(child.get());
+    } else {
+      scheduler_.add_waiting(child.get());
+    }
+    Sequence& c = *child;
+    r.seqs.push_back(std::move(child));
+    sample(c, logits, out);
+  }
+}
+
+StepOutput Engine::step() {
+  StepOutput out;
+  const StepPlan plan = scheduler_.schedule();
+  KESTREL_CHECK(!plan.seqs.empty() || scheduler_.idle(),
+                "no sequence could be scheduled although {} wait and {} run", scheduler_.num_waiting(),
+                scheduler_.num_running());
+  const std::vector<float>& logits = runner_.execute(plan);
+  scheduler_.commit(plan);
+  const int64_t V = model_.config().vocab_size;
+  int64_t row = 0;
+  std::vector<RequestId> touched;
+  for (const ScheduledSequence& x : plan.seqs) {
+    Sequence& s = *x.seq;
+    const int64_t rows = x.count - x.logits_from;
+    const float* first = logits.data() + row * V;
+    row += rows;
+    if (s.request->keep_logits && rows > 0) {
+      if (s.logits.empty()) s.logits_first = x.start + x.logits_from;
+      s.logits.insert(s.logits.end(), first, first + rows * V);
+      s.logits_kept = x.start + x.count;
+    }
+    if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;
+    const float* last = first + (rows - 1) * V;
+    if (s.index == 0 && !s.request->forked && s.request->params.n > 1) fork(s, last, out);
+    sample(s, last, out);
+    touched.push_back(s.request->id);
+  }
+  for (RequestId id : touched) {
+    const auto it = requests_.find(id);
+    if (it == requests_.end()) continue;
+    Request* r = it->second.get();
+    const bool done = std::all_of(r->seqs.begin(), r->seqs.end(),
+                                  [](const auto& s) { return s->status == Sequence::Status::finished; });
+    if (!done || static_cast<int>(r->seqs.size()) < r->params.n) continue;
+    out.finished.push_back(collect(*r));
+    requests_.erase(it);
+  }
+  out.num_tokens = plan.num_tokens;
+  out.num_preempted = plan.num_preempted;
+  ++stats_.steps;
+  stats_.computed_tokens += plan.num_tokens;
+  return out;
+}
+
+std::vector<RequestOutput> Engine::run_to_completion() {
+  std::vector<RequestOutput> done;
+  while (has_unfinished()) {
+    StepOutput o = step();
+    for (RequestOutput& r : o.finished) done.push_back(std::move(r));
+  }
+  std::sort(done.begin(), done.end(), [](const RequestOutput& a, const RequestOutput& b) { return a.id < b.id; });
+  return done;
+}
+
+RequestOutput Engine::collect(Request& r) const {
+  RequestOutput out;
+  out.id = r.id;
+  out.prompt = r.prompt;
+  for (const auto& s : r.seqs) {
+    Completion c;
+    c.index = s->index;
+    c.token_ids.assign(s->tokens.begin() + s->prompt_len, s->tokens.end());
+    c.logprobs = s->logprobs;
+    c.logits = s->logits;
+    c.logits_first = s->logits_first;
+    c.finish = s->finish;
+    out.completions.push_back(std::move(c));
+  }
+  std::sort(out.completions.begin(), out.completions.end(),
+            [](const Completion& a, const Completion& b) { return a.index < b.index; });
+  return out;
+}
+
+EngineStats Engine::stats() const {
+  EngineStats s = stats_;
+  s.preemptions = scheduler_.num_preemptions();
+  s.prefix = cache_.prefix_cache().counters();
+  return s;
+}
+
+void Engine::check_accounting() const {
+  std::vector<const SequenceRows*> live;
+  for (const auto& [id, r] : requests_)
+    for (const auto& s : r->seqs)
+      if (s->status != Sequence::Status::finished) live.push_back(&s->rows);
+  cache_.check_accounting(live);
+}
+
+}  // namespace kestrel

@@ -1,0 +1,89 @@
+// The engine: requests in, tokens out, one loop of schedule -> execute -> update. It owns the cache (one pool of
+// rows laid out by the cache planner), the scheduler and the model runner; the model is shared and read-only.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "engine/model_runner.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+#include "model/model.h"
+
+namespace kestrel {
+
+struct EngineConfig {
+  int32_t num_rows = 0;          // rows of the cache pool; 0: as many as cache_bytes holds
+  int64_t cache_bytes = int64_t{256} << 20;
+  int block_size = 0;            // B; 0: the planner's choice in [16 or the KDA chunk, max_block_size]
+  int max_block_size = 64;       // prefix-cache hits are at most this coarse
+  int64_t max_model_len = 0;     // 0: the model's max_position_embeddings, capped at what the cache holds
+  int64_t max_num_batched_tokens = 2048;
+  int max_num_seqs = 256;
+  SchedulingPolicy policy = SchedulingPolicy::fcfs;
+  bool enable_prefix_caching = true;
+  int checkpoint_interval = 1;   // KDA checkpoints every this many blocks of prompt
+};
+
+// A token a sequence produced in a step.
+struct TokenEvent {
+  RequestId request = 0;
+  int index = 0;
+  int32_t token = 0;
+};
+
+struct StepOutput {
+  std::vector<TokenEvent> tokens;
+  std::vector<RequestOutput> finished;
+  int64_t num_tokens = 0;  // tokens the step computed
+  int num_preempted = 0;
+};
+
+struct EngineStats {
+  int64_t steps = 0, computed_tokens = 0, generated_tokens = 0, preemptions = 0;
+  PrefixCacheCounters prefix;
+};
+
+class Engine {
+ public:
+  Engine(const Model& model, const EngineConfig& cfg);
+
+  // Queues a request; throws Error (naming the limit) for one that can never run: tokens outside the vocabulary,
+  // invalid sampling parameters, prompt + max_tokens beyond max_model_len (which the cache holds).
+  RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params, int priority = 0,
+                        bool keep_logits = false, uint64_t cache_key = 0);
+  // Ends a request wherever it is, all its rows returned; its completions so far, finish reason abort.
+  RequestOutput abort(RequestId id);
+  StepOutput step();
+  // Steps until every request finished; their outputs in order of request id.
+  std::vector<RequestOutput> run_to_completion();
+  bool has_unfinished() const { return !requests_.empty(); }
+
+  const CachePlan& cache_plan() const { return cache_.plan(); }
+  const CacheManager& cache() const { return cache_; }
+  const Scheduler& scheduler() const { return scheduler_; }
+  int64_t max_model_len() const { return max_model_len_; }
+  EngineStats stats() const;
+  // Every row's reference count against the sequences that hold it; Error on a mismatch (tests).
+  void check_accounting() const;
+
+ private:
+  void sample(Sequence& s, const float* logits, StepOutput& out);
+  void fork(Sequence& parent, const float* logits, StepOutput& out);
+  void finish_if_done(Sequence& s, int32_t token);
+  RequestOutput collect(Request& r) const;
+
+  const Model& model_;
+  EngineConfig cfg_;
+  CacheManager cache_;
+  int64_t max_model_len_;
+  Scheduler scheduler_;
+  ModelRunner runner_;
+  std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
+  RequestId next_id_ = 0;
+  EngineStats stats_;
+};
+
+}  // namespace kestrel

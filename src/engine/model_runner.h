@@ -1,0 +1,27 @@
+// The model runner: turns a step plan into what the model's forward takes (per-sequence token spans, block
+// tables, slots, state rows, checkpoint targets), does the plan's row copies first, and runs the step.
+#pragma once
+#include <span>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "engine/scheduler.h"
+#include "model/model.h"
+
+namespace kestrel {
+
+class ModelRunner {
+ public:
+  ModelRunner(const Model& model, CacheManager& cache) : model_(model), cache_(cache) {}
+  // Row copies and zeroing on the pool, in order.
+  void apply(std::span<const RowOp> ops);
+  // Runs the plan's row ops and forward. Returns the logits [wanted positions, vocab], sequences in plan order.
+  const std::vector<float>& execute(const StepPlan& plan);
+
+ private:
+  const Model& model_;
+  CacheManager& cache_;
+  std::vector<float> logits_;
+};
+
+}  // namespace kestrel

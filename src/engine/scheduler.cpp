@@ -1,0 +1,175 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace kestrel {
+
+Scheduler::Scheduler(const SchedulerConfig& cfg, CacheManager& cache) : cfg_(cfg), cache_(cache) {
+  KESTREL_CHECK(cfg.max_num_seqs >= 1, "max_num_seqs must be >= 1, got {}", cfg.max_num_seqs);
+  KESTREL_CHECK(cfg.prefill_alignment >= 1, "prefill alignment must be >= 1");
+  KESTREL_CHECK(cfg.max_num_batched_tokens >= cfg.prefill_alignment,
+                "max_num_batched_tokens ({}) must be at least {}: prompts are cut only at multiples of the KDA chunk",
+                cfg.max_num_batched_tokens, cfg.prefill_alignment);
+  KESTREL_CHECK(cfg.checkpoint_interval >= 1, "the KDA checkpoint interval must be >= 1 block, got {}",
+                cfg.checkpoint_interval);
+}
+
+bool Scheduler::before(const Sequence* a, const Sequence* b) const {
+  const Request& ra = *a->request;
+  const Request& rb = *b->request;
+  if (cfg_.policy == SchedulingPolicy::priority && ra.priority != rb.priority) return ra.priority < rb.priority;
+  return std::tie(ra.arrival, a->index) < std::tie(rb.arrival, b->index);
+}
+
+void Scheduler::insert_sorted(std::vector<Sequence*>& q, Sequence* s) const {
+  q.insert(std::upper_bound(q.begin(), q.end(), s, [&](const Sequence* x, const Sequence* y) { return before(x, y); }),
+           s);
+}
+
+void Scheduler::add_waiting(Sequence* s) {
+  s->status = Sequence::Status::waiting;
+  insert_sorted(waiting_, s);
+}
+
+void Scheduler::add_running(Sequence* s) {
+  s->status = Sequence::Status::running;
+  s->admitted = admissions_++;
+  if (cfg_.policy == SchedulingPolicy::priority) insert_sorted(running_, s);
+  else running_.push_back(s);
+}
+
+void Scheduler::remove(Sequence* s) {
+  for (auto* q : {&waiting_, &running_}) {
+    const auto it = std::find(q->begin(), q->end(), s);
+    if (it != q->end()) q->erase(it);
+  }
+  cache_.release(s->rows);
+  s->status = Sequence::Status::finished;
+}
+
+int64_t Scheduler::reusable_end(const Sequence& s) const {
+  return cfg_.prefill_alignment > 1 ? s.prompt_len : std::numeric_limits<int64_t>::max();
+}
+
+int64_t Scheduler::tokens_to_run(const Sequence& s, int64_t start, int64_t budget) const {
+  const int64_t known = static_cast<int64_t>(s.tokens.size());
+  int64_t end = std::min(known, start + budget);
+  if (cfg_.prefill_alignment > 1 && start < s.prompt_len) {
+    // Chunked KDA: a prompt segment stops at the prompt's end or at a multiple of the chunk.
+    end = std::min(end, s.prompt_len);
+    if (end < s.prompt_len) end = end / cfg_.prefill_alignment * cfg_.prefill_alignment;
+  }
+  return std::max<int64_t>(end - start, 0);
+}
+
+ScheduledSequence Scheduler::make_step(Sequence* s, int64_t start, int64_t count) const {
+  ScheduledSequence x;
+  x.seq = s;
+  x.start = start;
+  x.count = count;
+  x.prompt = start < s->prompt_len && s->prompt_len > 1;
+  const bool samples = start + count == static_cast<int64_t>(s->tokens.size());
+  if (s->request->keep_logits) x.logits_from = std::clamp<int64_t>(s->logits_kept - start, 0, count);
+  else x.logits_from = samples ? count - 1 : count;
+  return x;
+}
+
+void Scheduler::preempt(Sequence* s) {
+  running_.erase(std::find(running_.begin(), running_.end(), s));
+  cache_.release(s->rows);
+  s->num_computed = 0;
+  add_waiting(s);
+  ++preemptions_;
+}
+
+StepPlan Scheduler::schedule() {
+  StepPlan plan;
+  int64_t budget = cfg_.max_num_batched_tokens;
+  bool preempted = false;
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence* s = running_[i];
+    const int64_t n = tokens_to_run(*s, s->num_computed, budget);
+    if (n == 0) {
+      ++i;
+      continue;
+    }
+    // Out of rows: recompute the sequence scheduled last later (the newest, or the lowest priority), until this
+    // one fits or is itself the one preempted. Sequences before i are never victims.
+    bool fits = true;
+    while (!cache_.grow(s->rows, s->num_computed + n)) {
+      Sequence* victim = running_.back();
+      preempt(victim);
+      preempted = true;
+      ++plan.num_preempted;
+      if (victim == s) {
+        fits = false;
+        break;
+      }
+    }
+    if (!fits) break;
+    plan.seqs.push_back(make_step(s, s->num_computed, n));
+    budget -= n;
+    ++i;
+  }
+  // A step that had to preempt admits nobody: the rows it freed go to the sequences already running.
+  if (!preempted) admit_waiting(plan, budget);
+  add_checkpoints(plan);
+  for (const ScheduledSequence& x : plan.seqs) plan.num_tokens += x.count;
+  return plan;
+}
+
+void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget) {
+  while (!waiting_.empty() && budget > 0 && num_running() < cfg_.max_num_seqs) {
+    Sequence* s = waiting_.front();
+    const int64_t known = static_cast<int64_t>(s->tokens.size());
+    // At least one token is computed, so that the step yields the logits to sample from.
+    const int64_t limit = std::min(known - 1, reusable_end(*s));
+    const PrefixHit hit = cache_.lookup(s->rows, s->tokens, limit, s->request->cache_key);
+    const int64_t n = tokens_to_run(*s, hit.tokens, budget);
+    if (n == 0 || !cache_.admit(s->rows, hit, hit.tokens + n, plan.ops, plan.pins)) break;
+    cache_.record_lookup(hit, known);
+    s->num_computed = hit.tokens;
+    waiting_.erase(waiting_.begin());
+    add_running(s);
+    plan.seqs.push_back(make_step(s, hit.tokens, n));
+    budget -= n;
+  }
+}
+
+void Scheduler::add_checkpoints(StepPlan& plan) {
+  const CachePlan& cp = cache_.plan();
+  if (!cache_.prefix_caching() || !cp.has_state()) return;
+  const int64_t B = cp.block_size;
+  for (ScheduledSequence& x : plan.seqs) {
+    Sequence& s = *x.seq;
+    const int64_t last = std::min(x.start + x.count, reusable_end(s)) / B;
+    for (int64_t k = x.start / B + 1; k <= last; ++k) {
+      if (k % cfg_.checkpoint_interval) continue;
+      cache_.hash_blocks(s.rows, s.tokens, k, s.request->cache_key);
+      if (cache_.has_checkpoint(s.rows.hashes[k - 1])) continue;
+      std::vector<int32_t> rows = cache_.allocate_checkpoint();
+      if (rows.empty()) return;  // no row to spare: checkpoints never cost a running sequence its rows
+      x.checkpoints.push_back({k * B, std::move(rows)});
+    }
+  }
+}
+
+void Scheduler::commit(const StepPlan& plan) {
+  const int64_t B = cache_.plan().block_size;
+  for (const ScheduledSequence& x : plan.seqs) {
+    Sequence& s = *x.seq;
+    s.num_computed = x.start + x.count;
+    const int64_t full = s.num_computed / B;
+    cache_.name_blocks(s.rows, s.tokens, std::min(full, reusable_end(s) / B), s.request->cache_key);
+    cache_.skip_blocks(s.rows, full);
+    for (const ScheduledSequence::Checkpoint& c : x.checkpoints)
+      cache_.commit_checkpoint(s.rows, s.tokens, c.position / B - 1, c.rows);
+  }
+  cache_.unpin(plan.pins);
+}
+
+}  // namespace kestrel

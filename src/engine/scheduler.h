@@ -1,0 +1,89 @@
+// The scheduler: continuous batching with one token budget per step shared by decodes and chunked prefills
+// (there are no prefill and decode phases: each sequence has a count of computed tokens and gets what the budget
+// allows), admission with prefix-cache lookups, preemption by recompute when rows run out, KDA checkpoints.
+//
+// Exactness rules it keeps (docs/engine.md): with chunked KDA prefill a prompt is cut only at multiples of the
+// KDA chunk (or at its end), a step never mixes prompt and generated tokens of a sequence, and only blocks
+// computed as prompt are named for reuse, so every cut, hit and recompute gives the bits of one uncut prefill.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "engine/sequence.h"
+
+namespace kestrel {
+
+enum class SchedulingPolicy { fcfs, priority };
+
+struct SchedulerConfig {
+  int64_t max_num_batched_tokens = 2048;
+  int max_num_seqs = 256;
+  SchedulingPolicy policy = SchedulingPolicy::fcfs;
+  int prefill_alignment = 1;    // Model::prefill_alignment(): > 1 means prompts run KDA chunked
+  int checkpoint_interval = 1;  // KDA checkpoints at every this many block boundaries of computed prompt
+};
+
+// One sequence's part of a step.
+struct ScheduledSequence {
+  Sequence* seq = nullptr;
+  int64_t start = 0, count = 0;
+  bool prompt = false;      // prompt tokens of a multi-token prompt: KDA runs chunked
+  int64_t logits_from = 0;  // logits wanted for tokens [logits_from, count) of the step
+  struct Checkpoint {
+    int64_t position;
+    std::vector<int32_t> rows;
+  };
+  std::vector<Checkpoint> checkpoints;
+};
+
+struct StepPlan {
+  std::vector<RowOp> ops;  // before the forward: state rows of admitted sequences
+  std::vector<ScheduledSequence> seqs;
+  std::vector<int32_t> pins;  // checkpoint rows read by `ops`, held until the step is committed
+  int64_t num_tokens = 0;
+  int num_preempted = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerConfig& cfg, CacheManager& cache);
+
+  const SchedulerConfig& config() const { return cfg_; }
+  // A sequence holding no rows joins the waiting queue.
+  void add_waiting(Sequence* s);
+  // A sequence that holds rows already (a fork) joins the running ones.
+  void add_running(Sequence* s);
+  // Takes a waiting or running sequence out, all its rows returned.
+  void remove(Sequence* s);
+
+  StepPlan schedule();
+  // After the step ran: advances computed tokens, names full blocks and checkpoints, releases pins.
+  void commit(const StepPlan& plan);
+
+  bool idle() const { return waiting_.empty() && running_.empty(); }
+  int num_running() const { return static_cast<int>(running_.size()); }
+  int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  const std::vector<Sequence*>& running() const { return running_; }
+  const std::vector<Sequence*>& waiting() const { return waiting_; }
+  int64_t num_preemptions() const { return preemptions_; }
+
+ private:
+  bool before(const Sequence* a, const Sequence* b) const;  // queue order of the policy
+  void insert_sorted(std::vector<Sequence*>& q, Sequence* s) const;
+  // Tokens of `s` to compute this step from position `start` with `budget` left (0: none fit).
+  int64_t tokens_to_run(const Sequence& s, int64_t start, int64_t budget) const;
+  // Where blocks stop being reusable: blocks computed from generated tokens differ from a prefill's.
+  int64_t reusable_end(const Sequence& s) const;
+  ScheduledSequence make_step(Sequence* s, int64_t start, int64_t count) const;
+  void preempt(Sequence* s);
+  void admit_waiting(StepPlan& plan, int64_t& budget);
+  void add_checkpoints(StepPlan& plan);
+
+  SchedulerConfig cfg_;
+  CacheManager& cache_;
+  std::vector<Sequence*> waiting_, running_;  // running_ in schedule order: the last one is preempted first
+  int64_t admissions_ = 0, preemptions_ = 0;
+};
+
+}  // namespace kestrel
