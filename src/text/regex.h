@@ -23,35 +23,34 @@ class Regex {
 
   // Calls f(begin, end) for each match, as find_all reports them, without building a vector.
   template <typename F>
-  void for_each_match(std::string_view s, F&& f) const;
+  void for_each_match(std::string_view s, F&& f) const {
+    Cursor c;
+    std::vector<std::pair<size_t, size_t>>& batch = batch_buffer();
+    while (next_matches(s, c, batch))
+      for (const auto& [b, e] : batch) f(b, e);
+  }
 
   // First match starting at or after `from`, or false.
   bool search(std::string_view s, size_t from, size_t& begin, size_t& end) const;
 
  private:
+  struct Cursor {
+    size_t pos = 0;
+    size_t last_match_end = std::string_view::npos;
+  };
+  // Appends the next matches (one or more) after the cursor to `out` (cleared first); false when there are none.
+  bool next_matches(std::string_view s, Cursor& c, std::vector<std::pair<size_t, size_t>>& out) const;
+  static std::vector<std::pair<size_t, size_t>>& batch_buffer();
+
   std::string pattern_;
   void* regex_ = nullptr;  // OnigRegex
+  // The pattern chained with itself: "(P)(?:(P)(?:(P)...)?)?". One search then returns up to kChain consecutive
+  // matches, which is what repeated searches would return (each copy takes its first-choice match, and a copy
+  // that cannot match where the previous one ended ends the chain), at a fraction of Oniguruma's per-search cost.
+  // Null when the pattern uses constructs a copy would change (back-references, named groups, \G).
+  void* chain_ = nullptr;
+  int chain_group_stride_ = 0;  // group number distance between consecutive copies
+  static constexpr int kChain = 16;
 };
-
-template <typename F>
-void Regex::for_each_match(std::string_view s, F&& f) const {
-  size_t pos = 0;
-  size_t last_match_end = std::string_view::npos;
-  while (pos <= s.size()) {
-    size_t b = 0, e = 0;
-    if (!search(s, pos, b, e)) break;
-    if (b == e && last_match_end == e) {
-      // An empty match right where the previous one ended: step over one character and look again.
-      if (pos >= s.size()) break;
-      size_t step = 1;
-      while (pos + step < s.size() && (static_cast<unsigned char>(s[pos + step]) & 0xC0) == 0x80) ++step;
-      pos += step;
-      continue;
-    }
-    f(b, e);
-    pos = e;
-    last_match_end = e;
-  }
-}
 
 }  // namespace kestrel::text

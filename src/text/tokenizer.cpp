@@ -252,8 +252,9 @@ struct Tokenizer::Impl {
   std::unique_ptr<Regex> tiktoken_pattern;
   std::unordered_map<std::string, int32_t> by_text;
 
-  void encode_ordinary(std::string_view text, std::vector<int32_t>& out) const;
-  void encode_hf_segment(std::string_view text, bool parse_special, std::vector<int32_t>& out) const;
+  void encode_ordinary(std::string_view text, std::vector<int32_t>& out, PieceCache* cache) const;
+  void encode_hf_segment(std::string_view text, bool parse_special, std::vector<int32_t>& out,
+                         PieceCache* cache) const;
   std::string normalize(std::string_view s) const;
 };
 
@@ -300,10 +301,16 @@ std::string Tokenizer::Impl::normalize(std::string_view s) const {
 }
 
 // Pre-tokenizes and byte-pair encodes text that holds no added token.
-void Tokenizer::Impl::encode_ordinary(std::string_view text, std::vector<int32_t>& out) const {
+void Tokenizer::Impl::encode_ordinary(std::string_view text, std::vector<int32_t>& out, PieceCache* cache) const {
   if (text.empty()) return;
+  // Only views into the caller's text may enter the cache (it outlives the pieces made here with a prefix space).
+  auto piece = [&](std::string_view p) {
+    if (cache && p.data() >= text.data() && p.data() + p.size() <= text.data() + text.size())
+      bpe.encode_piece(p, out, *cache);
+    else bpe.encode_piece(p, out);
+  };
   if (format == Format::tiktoken) {
-    tiktoken_pattern->for_each_match(text, [&](size_t b, size_t e) { bpe.encode_piece(text.substr(b, e - b), out); });
+    tiktoken_pattern->for_each_match(text, [&](size_t b, size_t e) { piece(text.substr(b, e - b)); });
     return;
   }
   std::forward_list<std::string> owned;  // pieces that no longer point into `text`
@@ -324,10 +331,11 @@ void Tokenizer::Impl::encode_ordinary(std::string_view text, std::vector<int32_t
     }
     std::swap(pieces, next);
   }
-  for (std::string_view p : pieces) bpe.encode_piece(p, out);
+  for (std::string_view p : pieces) piece(p);
 }
 
-void Tokenizer::Impl::encode_hf_segment(std::string_view text, bool parse_special, std::vector<int32_t>& out) const {
+void Tokenizer::Impl::encode_hf_segment(std::string_view text, bool parse_special, std::vector<int32_t>& out,
+                                        PieceCache* cache) const {
   // Added tokens that match the raw text come out first, then the rest is normalized and searched for the
   // tokens that match normalized text.
   auto split_added = [&](std::string_view s, const AddedMatcher& m, auto&& on_text) {
@@ -364,10 +372,11 @@ void Tokenizer::Impl::encode_hf_segment(std::string_view text, bool parse_specia
   };
   split_added(text, raw_matcher, [&](std::string_view piece) {
     if (normalizers.empty()) {
-      split_added(piece, normalized_matcher, [&](std::string_view p) { encode_ordinary(p, out); });
+      split_added(piece, normalized_matcher, [&](std::string_view p) { encode_ordinary(p, out, cache); });
     } else {
+      // The cache holds views into the text it saw; normalized text is a temporary, so it is not cached.
       const std::string norm = normalize(piece);
-      split_added(norm, normalized_matcher, [&](std::string_view p) { encode_ordinary(p, out); });
+      split_added(norm, normalized_matcher, [&](std::string_view p) { encode_ordinary(p, out, nullptr); });
     }
   });
 }
@@ -385,18 +394,22 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, const EncodeOption
   out.reserve(text.size() / 3 + 4);
   const Impl& m = *impl_;
   if (opts.add_special_tokens) out = m.prefix_ids;
+  // Long texts repeat their words; short ones would only pay for setting the cache up.
+  std::optional<PieceCache> cache;
+  if (text.size() >= 4096) cache.emplace();
+  PieceCache* c = cache ? &*cache : nullptr;
   if (m.format == Format::hf_json) {
-    m.encode_hf_segment(text, opts.parse_special, out);
+    m.encode_hf_segment(text, opts.parse_special, out, c);
   } else if (!opts.parse_special) {
-    m.encode_ordinary(text, out);
+    m.encode_ordinary(text, out, c);
   } else {
     size_t start = 0, b = 0, e = 0;
     while (const AddedToken* t = m.raw_matcher.find(text, start, b, e)) {
-      m.encode_ordinary(text.substr(start, b - start), out);
+      m.encode_ordinary(text.substr(start, b - start), out, c);
       out.push_back(t->id);
       start = e;
     }
-    m.encode_ordinary(text.substr(start), out);
+    m.encode_ordinary(text.substr(start), out, c);
   }
   if (opts.add_special_tokens) out.insert(out.end(), m.suffix_ids.begin(), m.suffix_ids.end());
   return out;
@@ -647,7 +660,10 @@ Tokenizer Tokenizer::from_hf_json(std::string_view tokenizer_json) {
     const auto [a, b] = parse_merge(m);
     impl->bpe.add_merge(id_of(a), id_of(b), rank++, id_of(a + b));
   }
-  if (model.value("ignore_merges", false)) impl->bpe.enable_whole_piece_lookup(mapped_ids);
+  // With ignore_merges a piece that is a vocabulary entry is that token. Without it, the same shortcut is exact
+  // for the entries that the merges rebuild from their own bytes, and saves the merge loop for common words.
+  impl->bpe.enable_whole_piece_lookup(model.value("ignore_merges", false) ? mapped_ids
+                                                                          : impl->bpe.self_reaching(mapped_ids));
 
   std::vector<const AddedToken*> raw, normalized;
   for (const AddedToken& t : impl->added) (t.normalized ? normalized : raw).push_back(&t);

@@ -156,8 +156,11 @@ def strings(n=3000, seed=1234):
     out += [s.upper() for s in ["it's", "we'll", "they've", "i'd", "you're"]]
     gens = [_english] * 5 + [_digits] * 2 + [_cjk] * 2 + [_whitespace] * 2 + [_lookalike] * 2 + [_mixed] * 4 + [
         _random_unicode] * 2 + [lambda r: r.choice(CODE) * r.randint(1, 3)]
-    while len(out) < n:
+    while len(out) < n - 20:
         out.append(r.choice(gens)(r))
+    # Long texts (past the 4 KiB where Kestrel's encoder starts caching repeated pieces).
+    while len(out) < n:
+        out.append("".join(r.choice(out[:n - 20]) + r.choice(["", " ", "\n"]) for _ in range(r.randint(150, 400))))
     return out
 
 
