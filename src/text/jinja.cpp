@@ -996,6 +996,11 @@ class Parser {
   }
 
   NodePtr parse_statement() {
+    if (++block_depth_ > 200) syntax_error(peek().line, "blocks nested too deeply");
+    struct Leave {
+      int& d;
+      ~Leave() { --d; }
+    } leave{block_depth_};
     const Token& tok = next();
     const std::string& tag = tok.value;
     const int line = tok.line;
@@ -1207,6 +1212,11 @@ class Parser {
 
   ExprPtr parse_expr() {
     const int line = peek().line;
+    if (++expr_depth_ > 200) syntax_error(line, "expression nested too deeply");
+    struct Leave {
+      int& d;
+      ~Leave() { --d; }
+    } leave{expr_depth_};
     ExprPtr e = parse_or();
     while (is_name("if")) {
       ++i_;
@@ -1374,11 +1384,12 @@ class Parser {
     if (t.type == T::integer || t.type == T::floating) {
       ++i_;
       auto l = make<Literal>(t.line);
-      try {
-        if (t.type == T::integer) l->v = Value(static_cast<int64_t>(std::stoll(t.value)));
-        else l->v = Value(std::stod(t.value));
-      } catch (const std::exception&) {
-        syntax_error(t.line, fmt::format("number '{}' is out of range", t.value));
+      if (t.type == T::integer) {
+        const auto v = parse_int64(t.value);
+        if (!v) syntax_error(t.line, fmt::format("number '{}' is out of range", t.value));
+        l->v = Value(*v);
+      } else {
+        l->v = Value(std::strtod(t.value.c_str(), nullptr));  // overflow gives inf, as Python's float() does
       }
       return l;
     }
@@ -1460,7 +1471,10 @@ class Parser {
           auto g = make<GetItem>(line);
           g->obj = std::move(e);
           auto k = make<Literal>(line);
-          k->v = Value(static_cast<int64_t>(std::stoll(next().value)));
+          const Token& num = next();
+          const auto index = parse_int64(num.value);
+          if (!index) syntax_error(num.line, fmt::format("index '{}' is out of range", num.value));
+          k->v = Value(*index);
           g->key = std::move(k);
           e = std::move(g);
         } else {
@@ -1571,6 +1585,8 @@ class Parser {
   std::vector<Token> t_;
   size_t i_ = 0;
   int loop_depth_ = 0;
+  int expr_depth_ = 0;
+  int block_depth_ = 0;
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "text/jinja_builtins.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <unordered_map>
 
@@ -10,6 +11,13 @@
 #include "text/utf8.h"
 
 namespace kestrel::text::jinja {
+
+std::optional<int64_t> parse_int64(std::string_view digits) {
+  int64_t v = 0;
+  const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+  if (r.ec != std::errc() || r.ptr != digits.data() + digits.size()) return std::nullopt;
+  return v;
+}
 
 bool py_isspace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
@@ -258,10 +266,9 @@ std::string py_format(const std::string& fmt_str, const CallArgs& a) {
       if (field.empty()) {
         if (auto_index >= a.args.size()) fail("format: not enough arguments");
         v = a.args[auto_index++];
-      } else if (std::all_of(field.begin(), field.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-        const size_t k = std::stoul(field);
-        if (k >= a.args.size()) fail("format: index {} out of range", k);
-        v = a.args[k];
+      } else if (const auto k = parse_int64(field)) {
+        if (*k < 0 || static_cast<size_t>(*k) >= a.args.size()) fail("format: index {} out of range", *k);
+        v = a.args[static_cast<size_t>(*k)];
       } else {
         v = a.get(SIZE_MAX, field);
         if (v.is_undefined()) fail("format: no argument named '{}'", field);
@@ -607,7 +614,8 @@ Value attr_path(const Value& v, const std::string& path) {
     const size_t dot = path.find('.', pos);
     const std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
     const bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
-    cur = digits ? get_item(cur, Value(static_cast<int64_t>(std::stoll(part)))) : get_item(cur, Value(part));
+    const auto index = digits ? parse_int64(part) : std::nullopt;
+    cur = index ? get_item(cur, Value(*index)) : get_item(cur, Value(part));
     if (dot == std::string::npos) break;
     pos = dot + 1;
   }
@@ -851,6 +859,7 @@ const std::unordered_map<std::string, Filter>& filters() {
     };
     m["round"] = [](const Value& v, CallArgs& a) {
       const int64_t precision = int_arg(a.get(0, "precision", Value(int64_t{0})), "precision");
+      if (precision > 100 || precision < -100) fail("round: precision {} is out of range", precision);
       const std::string how = a.get(1, "method", Value("common")).to_str();
       if (how == "common" && precision >= 0) {
         // Python's round(): correctly rounded, ties to even, on the exact binary value; so is %.Nf formatting.

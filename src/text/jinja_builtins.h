@@ -32,6 +32,9 @@ int64_t py_len(const Value& v);
 // Python `a in b`.
 bool contains(const Value& container, const Value& item);
 
+// A decimal integer that fits int64_t, or nothing.
+std::optional<int64_t> parse_int64(std::string_view digits);
+
 bool py_isspace(char32_t c);
 // str.splitlines() (without keepends).
 std::vector<std::string> py_splitlines(std::string_view s);
