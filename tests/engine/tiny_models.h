@@ -2,6 +2,7 @@
 // reference every engine result is compared with: one request alone through the plain forward pass (the whole
 // prompt in one call, then one generated token per call), greedy.
 #pragma once
+#include <omp.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -17,6 +18,14 @@
 #include "model/model.h"
 
 namespace kestrel::test {
+
+// The engine tests run single-threaded: CI runs several test binaries at once on two cores, where OpenMP threads
+// busy-waiting against each other make a step ~25x slower. Results do not depend on the thread count (every
+// reduction of the CPU reference has a fixed order).
+inline const bool kSingleThreaded = [] {
+  omp_set_num_threads(1);
+  return true;
+}();
 
 inline std::string tiny_dir(Arch arch) {
   const std::string dir = std::filesystem::temp_directory_path() /
