@@ -36,8 +36,6 @@ float load_f32(const uint8_t* p) {
   return v;
 }
 void store_f32(uint8_t* p, float v) { std::memcpy(p, &v, sizeof v); }
-
-uint8_t nibble(const uint8_t* packed, int i) { return (packed[i / 2] >> (4 * (i % 2))) & 0xF; }
 }  // namespace
 
 int64_t latent_entry_bytes(const ModelConfig& cfg, LatentCacheDtype d) {
@@ -78,6 +76,15 @@ int64_t index_key_entry_bytes(const ModelConfig& cfg, IndexKeyDtype d) {
 int64_t kda_state_bytes(const ModelConfig& cfg, int heads) {
   const int64_t dk = cfg.kda_head_dim, hist = cfg.short_conv_kernel_size - 1;
   return (int64_t{heads} * dk * dk + 3 * hist * heads * dk) * int64_t{sizeof(float)};
+}
+
+float mxfp4_key_as_fp8(const uint8_t* packed, const uint8_t* exponents, int D, uint8_t* codes) {
+  const int e_max = *std::max_element(exponents, exponents + D / 32);
+  for (int i = 0; i < D; ++i) {
+    const uint8_t nib = (packed[i / 2] >> (4 * (i % 2))) & 0xF;
+    codes[i] = f32_to_e4m3(std::ldexp(e2m1_to_f32(nib), int{exponents[i / 32]} - e_max + 6));
+  }
+  return std::ldexp(1.0f, e_max - 127 - 6);
 }
 
 KdaStateView kda_state_view(const ModelConfig& cfg, uint8_t* at) {
@@ -212,16 +219,7 @@ void MlaAttention::read_index_keys(const TokenPages& pg, int64_t n, uint8_t* cod
       scales[p] = load_f32(keys + B * D + off * 4);
       continue;
     }
-    // An MXFP4 key is re-expressed as FP8 codes with one power-of-two scale, so that the indexer's exact FP8 dot
-    // scores it: scale 2^(e_max - 127 - 6) for the largest block exponent e_max maps every decoded value
-    // e2m1 * 2^(e_b - 127) to e2m1 * 2^(e_b - e_max + 6), at most 6 * 64 = 384 <= 448. The re-expression is exact
-    // whenever every block exponent is within 14 of the largest (docs/engine.md); otherwise e4m3 rounds it.
-    const uint8_t* packed = keys + off * (D / 2);
-    const uint8_t* block_exp = keys + B * (D / 2) + off * (D / 32);
-    const int e_max = *std::max_element(block_exp, block_exp + D / 32);
-    for (int i = 0; i < D; ++i)
-      out[i] = f32_to_e4m3(std::ldexp(e2m1_to_f32(nibble(packed, i)), int{block_exp[i / 32]} - e_max + 6));
-    scales[p] = std::ldexp(1.0f, e_max - 127 - 6);
+    scales[p] = mxfp4_key_as_fp8(keys + off * (D / 2), keys + B * (D / 2) + off * (D / 32), D, out);
   }
 }
 

@@ -34,6 +34,12 @@ struct Linear {
   void operator()(const float* x, int64_t T, float* y) const;
 };
 
+// The indexer's view of an MXFP4 index key (D values: D/2 packed bytes, D/32 E8M0 block exponents): FP8 codes
+// with one power-of-two scale, returned, so that the exact FP8 dot of the indexer scores it. The scale is
+// 2^(e_max - 127 - 6) for the largest block exponent e_max: every decoded value e2m1 * 2^(e_b - 127) becomes
+// e2m1 * 2^(e_b - e_max + 6) <= 384 < 448, exactly whenever every e_b >= e_max - 14 (else e4m3 rounds it).
+float mxfp4_key_as_fp8(const uint8_t* packed, const uint8_t* exponents, int D, uint8_t* codes);
+
 // ---- per-request state, as the kernels see it: plain pages ----
 // One MLA layer's pages of one request for one step. Block j of the request (positions [jB, (j+1)B)) is the
 // page at base + block_table[j] * row_bytes: B latent entries, then B index-key entries (the key values of all B
