@@ -10,6 +10,7 @@ namespace kestrel::cli {
 using Runner = std::function<int()>;
 Runner add_make_model(CLI::App& app);
 Runner add_generate(CLI::App& app);
+Runner add_inspect_cache(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
 
 }  // namespace kestrel::cli

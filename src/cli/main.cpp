@@ -11,7 +11,8 @@ int main(int argc, char** argv) {
     app.require_subcommand(1);
     const std::vector<kestrel::cli::Runner> runners = {kestrel::cli::add_make_model(app),
                                                        kestrel::cli::add_generate(app),
-                                                       kestrel::cli::add_tokenize(app)};
+                                                       kestrel::cli::add_tokenize(app),
+                                                       kestrel::cli::add_inspect_cache(app)};
     CLI11_PARSE(app, argc, argv);
     for (const auto& run : runners) {
       const int rc = run();
