@@ -46,7 +46,7 @@ std::string kjv_corpus();
 
 // make-model's tokenizer: trains on kjv_corpus() and writes the files. spec.vocab_size must leave room for the
 // 256 bytes and the special tokens; it is also the largest vocabulary the files will use (fewer ids are written
-// if the corpus runs out of pairs that occur twice, which does not happen below ~20000 for the KJV text).
+// if the corpus runs out of pairs that occur twice, which for the KJV text happens near 18000 ids).
 void write_trained_tokenizer(const std::string& dir, const TokenizerFilesSpec& spec);
 
 }  // namespace kestrel::text
