@@ -289,8 +289,11 @@ TOOLS = [
 ]
 
 
+_POOL = text_corpus.strings(400, seed=21)
+
+
 def _content(r):
-    pool = text_corpus.strings(400, seed=21)
+    pool = _POOL
     k = r.random()
     if k < 0.1:
         return "Use {{ braces }} and {% tags %} literally: <|im_end|> </think>"
@@ -354,9 +357,9 @@ def test_chat_templates_match_jinja2(name, tmp_path_factory):
             for c in convs]
     got = batch(d, reqs)
     mism = []
-    env = _env()
+    compiled = _env().from_string(template)
     for c, g in zip(convs, got):
-        want = env.from_string(template).render(**_hf_context(c, config))
+        want = compiled.render(**_hf_context(c, config))
         if g.get("text") != want:
             mism.append((c["messages"][:2], g, want))
     report(mism, f"{name} chat template")
@@ -377,10 +380,10 @@ def test_make_model_template_matches_jinja2(tmp_path):
     reqs = [{"op": "chat", "messages": c["messages"], "tools": c["tools"],
              "add_generation_prompt": c["add_generation_prompt"]} for c in convs]
     got = batch(d, reqs)
-    env = _env()
+    compiled = _env().from_string(template)
     mism = []
     for c, g in zip(convs, got):
-        want = env.from_string(template).render(messages=c["messages"], tools=c["tools"], documents=None,
+        want = compiled.render(messages=c["messages"], tools=c["tools"], documents=None,
                                                 add_generation_prompt=c["add_generation_prompt"],
                                                 **{k: v for k, v in config.items() if k.endswith("_token")})
         if g.get("text") != want:

@@ -12,7 +12,7 @@ import pytest
 
 import text_corpus
 
-STREAM_MAX_TOKENS = 48
+STREAM_MAX_TOKENS = 200  # streaming is checked at every prefix of the first 200 tokens of each string
 
 REPO = Path(__file__).resolve().parents[2]
 
