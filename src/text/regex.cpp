@@ -99,13 +99,7 @@ bool Regex::search(std::string_view s, size_t from, size_t& begin, size_t& end) 
   return true;
 }
 
-std::vector<std::pair<size_t, size_t>>& Regex::batch_buffer() {
-  thread_local std::vector<std::pair<size_t, size_t>> b;
-  return b;
-}
-
-bool Regex::next_matches(std::string_view s, Cursor& c, std::vector<std::pair<size_t, size_t>>& out) const {
-  out.clear();
+size_t Regex::next_matches(std::string_view s, Cursor& c, Batch& out) const {
   while (c.pos <= s.size()) {
     if (chain_) {
       OnigRegion* region = thread_region();
@@ -113,34 +107,35 @@ bool Regex::next_matches(std::string_view s, Cursor& c, std::vector<std::pair<si
       const OnigUChar* str_end = str + s.size();
       const int r = onig_search(static_cast<OnigRegex>(chain_), str, str_end, str + c.pos, str_end, region,
                                 ONIG_OPTION_NONE);
-      if (r == ONIG_MISMATCH) return false;
+      if (r == ONIG_MISMATCH) return 0;
       if (r < 0) fail("regex '{}' failed while matching: {}", pattern_, onig_message(r, nullptr));
+      size_t n = 0;
       bool has_empty = false;
       for (int k = 0; k < kChain; ++k) {
         const int g = 1 + k * chain_group_stride_;
         if (g >= region->num_regs || region->beg[g] < 0) break;
         if (region->beg[g] == region->end[g]) has_empty = true;
-        out.emplace_back(static_cast<size_t>(region->beg[g]), static_cast<size_t>(region->end[g]));
+        out[n++] = {static_cast<size_t>(region->beg[g]), static_cast<size_t>(region->end[g])};
       }
-      if (!has_empty) {
-        c.pos = c.last_match_end = out.back().second;
-        return true;
+      if (!has_empty && n > 0) {
+        c.pos = c.last_match_end = out[n - 1].second;
+        return n;
       }
-      out.clear();  // empty matches follow find_iter's stepping rule below, one search at a time
+      // Empty matches follow find_iter's stepping rule below, one search at a time.
     }
     size_t b = 0, e = 0;
-    if (!search(s, c.pos, b, e)) return false;
+    if (!search(s, c.pos, b, e)) return 0;
     if (b == e && c.last_match_end == e) {
       // An empty match right where the previous one ended: step over one character and look again.
-      if (c.pos >= s.size()) return false;
+      if (c.pos >= s.size()) return 0;
       c.pos = next_char(s, c.pos);
       continue;
     }
-    out.emplace_back(b, e);
+    out[0] = {b, e};
     c.pos = c.last_match_end = e;
-    return true;
+    return 1;
   }
-  return false;
+  return 0;
 }
 
 std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view s) const {

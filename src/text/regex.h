@@ -1,6 +1,6 @@
 // Oniguruma regular expressions (the engine Hugging Face tokenizers use for pre-tokenizer patterns), UTF-8 only.
 #pragma once
-#include <memory>
+#include <array>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,9 +25,9 @@ class Regex {
   template <typename F>
   void for_each_match(std::string_view s, F&& f) const {
     Cursor c;
-    std::vector<std::pair<size_t, size_t>>& batch = batch_buffer();
-    while (next_matches(s, c, batch))
-      for (const auto& [b, e] : batch) f(b, e);
+    Batch batch;
+    while (size_t n = next_matches(s, c, batch))
+      for (size_t i = 0; i < n; ++i) f(batch[i].first, batch[i].second);
   }
 
   // First match starting at or after `from`, or false.
@@ -38,9 +38,10 @@ class Regex {
     size_t pos = 0;
     size_t last_match_end = std::string_view::npos;
   };
-  // Appends the next matches (one or more) after the cursor to `out` (cleared first); false when there are none.
-  bool next_matches(std::string_view s, Cursor& c, std::vector<std::pair<size_t, size_t>>& out) const;
-  static std::vector<std::pair<size_t, size_t>>& batch_buffer();
+  static constexpr int kChain = 16;
+  using Batch = std::array<std::pair<size_t, size_t>, kChain>;
+  // Stores the next matches after the cursor in `out` and returns how many (0 when there are none).
+  size_t next_matches(std::string_view s, Cursor& c, Batch& out) const;
 
   std::string pattern_;
   void* regex_ = nullptr;  // OnigRegex
@@ -50,7 +51,6 @@ class Regex {
   // Null when the pattern uses constructs a copy would change (back-references, named groups, \G).
   void* chain_ = nullptr;
   int chain_group_stride_ = 0;  // group number distance between consecutive copies
-  static constexpr int kChain = 16;
 };
 
 }  // namespace kestrel::text
