@@ -156,3 +156,25 @@ def test_invalid_utf8_is_rejected(base_tokenizer_json, tmp_path_factory):
     got = batch(d, [{"op": "encode", "hex": b.hex()} for b in bad])
     mism = [(b, g) for b, g in zip(bad, got) if "not valid UTF-8" not in g.get("error", "")]
     report(mism, "invalid UTF-8 not rejected")
+
+
+def test_tokenize_cli_prints_ids_and_pieces(base_tokenizer_json, tmp_path):
+    import subprocess
+    from text_harness import kestrel_bin
+    (tmp_path / "tokenizer.json").write_text(json.dumps(base_tokenizer_json, ensure_ascii=False))
+    ref = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "Hello <|im_end|> 中文\n"
+    res = subprocess.run([kestrel_bin(), "tokenize", str(tmp_path), "--text", text], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    want = ref.encode(text, add_special_tokens=False).ids
+    assert lines[0] == "ids: [" + ", ".join(map(str, want)) + "]"
+    rows = lines[1:1 + len(want)]
+    assert [int(r.split()[0]) for r in rows] == want
+    special_id = ref.token_to_id("<|im_end|>")
+    assert any(r.split()[0] == str(special_id) and '"<|im_end|>"' in r and "(special)" in r for r in rows)
+    assert lines[1 + len(want)] == f"{len(want)} tokens, {len(text.encode())} bytes"
+    bad = subprocess.run([kestrel_bin(), "tokenize", str(tmp_path / "missing"), "--text", "x"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "neither tokenizer.json nor tiktoken.model" in bad.stderr

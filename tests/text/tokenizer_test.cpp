@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "text/bpe.h"
 #include "text/detokenizer.h"
+#include "text/tokenize_cli.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
 
@@ -272,6 +273,20 @@ TEST(Detokenizer, HoldsBackOnlyUnfinishedSequences) {
       ASSERT_EQ(released + s.pending_text(), tok.decode(ids));
     }
   }
+}
+
+}  // namespace
+}  // namespace kestrel::text
+
+namespace kestrel::text {
+namespace {
+
+TEST(TokenizeCli, QuotesTokenBytes) {
+  EXPECT_EQ(quote_token_bytes("ab"), "\"ab\"");
+  EXPECT_EQ(quote_token_bytes(" \n\t\"\\"), "\" \\n\\t\\\"\\\\\"");
+  EXPECT_EQ(quote_token_bytes("\xE4\xB8\xAD"), "\"\xE4\xB8\xAD\"");
+  EXPECT_EQ(quote_token_bytes("\xE4\xB8"), "\"\\xE4\\xB8\"");  // part of a sequence
+  EXPECT_EQ(quote_token_bytes(std::string("\x01\x7F", 2)), "\"\\x01\\x7F\"");
 }
 
 }  // namespace
