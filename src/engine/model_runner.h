@@ -6,6 +6,7 @@
 
 #include "cache/cache_manager.h"
 #include "engine/scheduler.h"
+#include "engine/step_inputs.h"
 #include "model/model.h"
 
 namespace kestrel {

@@ -148,7 +148,7 @@ TEST(Engine, RequestsThatCanNeverRunAreRejected) {
     EXPECT_NE(std::string(err.what()).find("max_model_len 256"), std::string::npos) << err.what();
   }
   EXPECT_THROW(e.add_request({}, greedy(1)), Error);
-  EXPECT_THROW(e.add_request({600}, greedy(1)), Error);  // outside the vocabulary
+  EXPECT_THROW(e.add_request({static_cast<int32_t>(m.config().vocab_size)}, greedy(1)), Error);  // no such token
   SamplingParams bad = greedy(1);
   bad.top_p = 0.0f;
   EXPECT_THROW(e.add_request({1}, bad), Error);
