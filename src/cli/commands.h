@@ -12,5 +12,6 @@ Runner add_make_model(CLI::App& app);
 Runner add_generate(CLI::App& app);
 Runner add_inspect_cache(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
+Runner add_serve(CLI::App& app);
 
 }  // namespace kestrel::cli

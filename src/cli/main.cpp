@@ -12,7 +12,8 @@ int main(int argc, char** argv) {
     const std::vector<kestrel::cli::Runner> runners = {kestrel::cli::add_make_model(app),
                                                        kestrel::cli::add_generate(app),
                                                        kestrel::cli::add_tokenize(app),
-                                                       kestrel::cli::add_inspect_cache(app)};
+                                                       kestrel::cli::add_inspect_cache(app),
+                                                       kestrel::cli::add_serve(app)};
     CLI11_PARSE(app, argc, argv);
     for (const auto& run : runners) {
       const int rc = run();

@@ -1,0 +1,136 @@
+// kestrel serve: the OpenAI-compatible server, with vLLM's flag names (docs/serving.md). Flags that need hardware
+// or features this build does not have are refused with a message that says which and why.
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "server/serve.h"
+
+namespace kestrel::cli {
+namespace {
+
+struct ServeArgs {
+  server::ServeOptions opts;
+  int tensor_parallel_size = 1, decode_context_parallel_size = 1;
+  double gpu_memory_utilization = 0;
+  int64_t kv_cache_memory_bytes = int64_t{256} << 20;
+  std::string kv_cache_dtype = "auto", index_cache_dtype = "fp8", speculative_config, load_format = "safetensors";
+  std::string device = "auto";
+  uint64_t seed = 0;
+  bool enable_prefix_caching = true, enable_chunked_prefill = true, trust_remote_code = false, batch_invariant = false;
+};
+
+int run_serve(ServeArgs& a) {
+  server::ServeOptions& o = a.opts;
+  std::vector<std::string> refused;
+  if (a.device == "cuda")
+    refused.push_back("--device cuda: the CUDA backend does not run whole models yet; use --device cpu");
+  else if (a.device != "cpu" && a.device != "auto")
+    fail("--device '{}' is not one of auto, cuda, cpu", a.device);
+  if (a.tensor_parallel_size < 1) fail("--tensor-parallel-size must be >= 1");
+  if (a.tensor_parallel_size > 1)
+    refused.push_back(fmt::format("--tensor-parallel-size {}: tensor parallelism needs {} GPUs and the CUDA backend; "
+                                  "the CPU backend serves one rank",
+                                  a.tensor_parallel_size, a.tensor_parallel_size));
+  if (a.decode_context_parallel_size > 1)
+    refused.push_back(fmt::format("--decode-context-parallel-size {}: decode context parallelism is not built into "
+                                  "the server yet (it runs on simulated ranks only)",
+                                  a.decode_context_parallel_size));
+  if (!a.speculative_config.empty()) {
+    const auto spec = nlohmann::json::parse(a.speculative_config, nullptr, false);
+    if (spec.is_discarded() || !spec.is_object()) fail("--speculative-config must be a JSON object");
+    refused.push_back(fmt::format("--speculative-config: speculative decoding (method '{}') is not built yet",
+                                  spec.value("method", "?")));
+  }
+  if (!a.enable_chunked_prefill)
+    refused.push_back("--no-enable-chunked-prefill: the scheduler always chunks prompts to the step's token budget");
+  if (!refused.empty()) {
+    std::string msg = "cannot serve as asked:";
+    for (const std::string& r : refused) msg += "\n  " + r;
+    fail("{}", msg);
+  }
+  if (a.gpu_memory_utilization != 0)
+    std::fprintf(stderr, "[kestrel] --gpu-memory-utilization has no effect on the CPU; the cache takes "
+                         "--kv-cache-memory-bytes (%lld)\n", static_cast<long long>(a.kv_cache_memory_bytes));
+  if (a.load_format == "fastsafetensors")
+    std::fprintf(stderr, "[kestrel] --load-format fastsafetensors: on the CPU the weights are memory-mapped, "
+                         "which is what fastsafetensors does for GPUs\n");
+  else if (a.load_format != "safetensors" && a.load_format != "auto")
+    fail("--load-format '{}' is not one of auto, safetensors, fastsafetensors", a.load_format);
+
+  if (a.kv_cache_dtype == "fp8") o.model.latent_cache = LatentCacheDtype::fp8;
+  else if (a.kv_cache_dtype == "nvfp4") o.model.latent_cache = LatentCacheDtype::nvfp4;
+  else if (a.kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", a.kv_cache_dtype);
+  if (a.index_cache_dtype == "mxfp4") o.model.index_keys = IndexKeyDtype::mxfp4;
+  else if (a.index_cache_dtype != "fp8") fail("--index-cache-dtype '{}' is not one of fp8, mxfp4", a.index_cache_dtype);
+  // Batch invariance holds on the CPU already; this also makes every split of a prompt give the same bits.
+  if (a.batch_invariant) o.model.kda_chunked_prefill = false;
+  o.engine.enable_prefix_caching = a.enable_prefix_caching;
+  o.engine.cache_bytes = a.kv_cache_memory_bytes;
+  for (const std::string* p : {&o.tool_call_parser, &o.reasoning_parser})
+    if (!p->empty() && *p != "kimi_k3" && *p != "deepseek_v32")
+      fail("parser '{}' is not one of kimi_k3, deepseek_v32", *p);
+  return server::serve(o);
+}
+
+}  // namespace
+
+Runner add_serve(CLI::App& app) {
+  auto* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (flags as vLLM's)");
+  auto a = std::make_shared<ServeArgs>();
+  server::ServeOptions& o = a->opts;
+  EngineConfig& e = o.engine;
+  cmd->add_option("model_dir", o.model_dir, "checkpoint directory")->required();
+  cmd->add_option("--host", o.host, "address to listen on")->capture_default_str();
+  cmd->add_option("--port", o.port, "port (0: any free port)")->capture_default_str();
+  cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' on /v1 routes");
+  cmd->add_option("--served-model-name", o.served_model_name, "model name in the API (default: MODEL_DIR)");
+  cmd->add_option("--tensor-parallel-size", a->tensor_parallel_size, "GPUs sharing each layer");
+  cmd->add_option("--decode-context-parallel-size", a->decode_context_parallel_size,
+                  "ranks sharding the context of decode attention");
+  cmd->add_option("--max-model-len", e.max_model_len, "longest sequence (default: the model's, capped by the cache)");
+  cmd->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
+  cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
+      ->capture_default_str();
+  cmd->add_option("--gpu-memory-utilization", a->gpu_memory_utilization, "GPU memory fraction (GPU only)");
+  cmd->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "bytes of the cache pool")
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-dtype", a->kv_cache_dtype, "MLA latent cache: auto | fp8 | nvfp4")->capture_default_str();
+  cmd->add_option("--index-cache-dtype", a->index_cache_dtype, "DSA index keys: fp8 | mxfp4")->capture_default_str();
+  cmd->add_option("--block-size", e.block_size, "tokens per cache row (0: the planner's choice)");
+  cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", a->enable_prefix_caching,
+                "reuse cached prompt prefixes (on by default)");
+  cmd->add_flag("--enable-chunked-prefill,!--no-enable-chunked-prefill", a->enable_chunked_prefill,
+                "split long prompts over steps (always on)");
+  cmd->add_flag("--enable-auto-tool-choice", o.enable_auto_tool_choice, "parse tool calls for tool_choice auto");
+  cmd->add_option("--tool-call-parser", o.tool_call_parser, "kimi_k3 | deepseek_v32");
+  cmd->add_option("--reasoning-parser", o.reasoning_parser, "kimi_k3 | deepseek_v32");
+  cmd->add_option("--chat-template", o.chat_template, "Jinja chat template file (default: the checkpoint's)");
+  cmd->add_option("--speculative-config", a->speculative_config, "speculative decoding, JSON");
+  cmd->add_option("--load-format", a->load_format, "safetensors | fastsafetensors");
+  cmd->add_flag("--trust-remote-code", a->trust_remote_code, "accepted for vLLM compatibility (no effect)");
+  auto* seed = cmd->add_option("--seed", a->seed, "seeds the sampling of requests that give no seed");
+  cmd->add_option("--device", a->device, "auto | cuda | cpu")->capture_default_str();
+  cmd->add_flag("--batch-invariant", a->batch_invariant, "results independent of batching and prompt splits");
+  cmd->add_option("--max-queued-requests", o.max_queued_requests, "requests in flight beyond which new ones get 429")
+      ->capture_default_str();
+  cmd->add_option("--max-request-bytes", o.max_request_bytes, "largest request body (413 beyond)")
+      ->capture_default_str();
+  cmd->add_option("--http-threads", o.http_threads, "HTTP server threads")->capture_default_str();
+  cmd->add_option("--max-connections", o.max_connections, "open connections beyond which new ones get 503")
+      ->capture_default_str();
+  cmd->add_option("--shutdown-timeout", o.shutdown_timeout, "seconds running requests get after SIGTERM")
+      ->capture_default_str();
+  return [cmd, a, seed]() {
+    if (!cmd->parsed()) return -1;
+    if (seed->count()) a->opts.seed = a->seed;
+    return run_serve(*a);
+  };
+}
+
+}  // namespace kestrel::cli

@@ -1,0 +1,264 @@
+#include "server/engine_loop.h"
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+
+#include "server/api_error.h"
+
+namespace kestrel::server {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+bool RequestStream::take(RequestEvents& into) {
+  std::lock_guard lock(mu_);
+  for (TokenRecord& t : pending_.tokens) into.tokens.push_back(std::move(t));
+  pending_.tokens.clear();
+  if (pending_.finished) into.finished = std::move(pending_.finished);
+  if (pending_.error) {
+    into.error = std::move(pending_.error);
+    into.error_status = pending_.error_status;
+  }
+  pending_.finished.reset();
+  pending_.error.reset();
+  if (over_) into.finish_time = pending_.finish_time;
+  return over_;
+}
+
+void RequestStream::push(std::vector<TokenRecord>&& tokens) {
+  {
+    std::lock_guard lock(mu_);
+    for (TokenRecord& t : tokens) pending_.tokens.push_back(std::move(t));
+  }
+  if (notify_) notify_();
+}
+
+void RequestStream::end(std::optional<RequestOutput> out, std::optional<std::string> error, int error_status,
+                        double time) {
+  {
+    std::lock_guard lock(mu_);
+    pending_.finished = std::move(out);
+    pending_.error = std::move(error);
+    pending_.error_status = error_status;
+    pending_.finish_time = time;
+    over_ = true;
+  }
+  if (notify_) notify_();
+}
+
+EngineLoop::EngineLoop(std::unique_ptr<Engine> engine, int64_t max_in_flight)
+    : engine_(std::move(engine)),
+      max_in_flight_(max_in_flight),
+      max_model_len_(engine_->max_model_len()) {}
+
+EngineLoop::~EngineLoop() { stop(); }
+
+void EngineLoop::start() {
+  alive_ = true;
+  thread_ = std::thread([this] { run(); });
+}
+
+void EngineLoop::stop() {
+  if (!thread_.joinable()) return;
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+std::shared_ptr<RequestStream> EngineLoop::submit(std::vector<int32_t> prompt, SamplingParams params, int priority,
+                                                  RequestStream::Notify notify) {
+  if (!alive_) throw ApiError(503, "the engine is not running");
+  if (!admitting_) throw ApiError(503, "the server is shutting down and admits no new requests");
+  auto r = std::make_shared<RequestStream>(std::move(prompt), std::move(params), priority, std::move(notify));
+  r->arrival_ = now_seconds();
+  {
+    std::lock_guard lock(mu_);
+    if (in_flight_ >= max_in_flight_)
+      throw ApiError(429, fmt::format("the server is at capacity ({} requests in flight); retry later", in_flight_));
+    ++in_flight_;
+    submissions_.push_back(r);
+  }
+  wake_.notify_one();
+  return r;
+}
+
+void EngineLoop::abort(const std::shared_ptr<RequestStream>& r) {
+  {
+    std::lock_guard lock(mu_);
+    aborts_.push_back(r);
+  }
+  wake_.notify_one();
+}
+
+EngineSnapshot EngineLoop::snapshot() const {
+  std::lock_guard lock(mu_);
+  EngineSnapshot s = snapshot_;
+  s.in_flight = in_flight_;
+  return s;
+}
+
+void EngineLoop::admit(std::vector<std::shared_ptr<RequestStream>>& subs) {
+  for (auto& r : subs) {
+    try {
+      r->id_ = engine_->add_request(r->prompt_, r->params_, r->priority_);
+      live_.emplace(r->id_, r);
+    } catch (const Error& e) {
+      r->end(std::nullopt, std::string(e.what()), 400, now_seconds());
+      std::lock_guard lock(mu_);
+      --in_flight_;
+    }
+  }
+  subs.clear();
+}
+
+void EngineLoop::publish() {
+  const EngineStats st = engine_->stats();
+  const RowPool& pool = engine_->cache().pool();
+  std::lock_guard lock(mu_);
+  snapshot_.num_running = engine_->scheduler().num_running();
+  snapshot_.num_waiting = engine_->scheduler().num_waiting();
+  snapshot_.kv_cache_usage = static_cast<double>(pool.num_referenced()) / pool.num_rows();
+  snapshot_.prefix = st.prefix;
+  snapshot_.steps = st.steps;
+  snapshot_.preemptions = st.preemptions;
+}
+
+void EngineLoop::fail_all(const std::string& why) {
+  std::vector<std::shared_ptr<RequestStream>> subs;
+  {
+    std::lock_guard lock(mu_);
+    subs.swap(submissions_);
+    aborts_.clear();
+    in_flight_ -= static_cast<int64_t>(live_.size() + subs.size());
+  }
+  const double t = now_seconds();
+  for (auto& [id, r] : live_) r->end(std::nullopt, why, 503, t);
+  for (auto& r : subs) r->end(std::nullopt, why, 503, t);
+  live_.clear();
+}
+
+// The prefix-cache hit each request waiting for its first admission would get now. The scheduler's lookup in the
+// coming step sees the same cache, unless an admission earlier in that step evicts some of those blocks.
+void EngineLoop::predict_cached_tokens() {
+  const Scheduler& sched = engine_->scheduler();
+  int room = sched.config().max_num_seqs - sched.num_running();
+  for (const Sequence* s : sched.waiting()) {
+    if (room-- <= 0) break;
+    const auto it = live_.find(s->request->id);
+    if (s->index != 0 || it == live_.end() || it->second->scheduled_ != 0) continue;
+    SequenceRows rows;
+    it->second->cached_tokens_ = engine_->cache().lookup(rows, s->tokens, s->prompt_len - 1, s->request->cache_key).tokens;
+  }
+}
+
+void EngineLoop::dispatch(const StepOutput& out, double t_start, double t_end) {
+  // Per-token log-probabilities are on the sequences (running or waiting) until the request finishes, then on its
+  // output. A completion's tokens of this step are the last ones of its list.
+  std::unordered_map<RequestId, const Request*> unfinished;
+  std::unordered_map<RequestId, const RequestOutput*> finished;
+  for (const RequestOutput& f : out.finished) finished[f.id] = &f;
+  std::map<std::pair<RequestId, int>, size_t> in_step, taken;
+  for (const TokenEvent& e : out.tokens)
+    if (const auto it = live_.find(e.request); it != live_.end() && it->second->params_.logprobs >= 0)
+      ++in_step[{e.request, e.index}];
+  if (!in_step.empty()) {
+    for (const Sequence* s : engine_->scheduler().running()) unfinished[s->request->id] = s->request;
+    for (const Sequence* s : engine_->scheduler().waiting()) unfinished[s->request->id] = s->request;
+  }
+  auto logprobs_of = [&](RequestId id, int index) -> const std::vector<TokenLogprob>* {
+    if (const auto f = finished.find(id); f != finished.end()) {
+      for (const Completion& c : f->second->completions)
+        if (c.index == index) return &c.logprobs;
+    } else if (const auto r = unfinished.find(id); r != unfinished.end()) {
+      for (const auto& s : r->second->seqs)
+        if (s->index == index) return &s->logprobs;
+    }
+    return nullptr;
+  };
+
+  std::unordered_map<RequestId, std::vector<TokenRecord>> batches;
+  for (const TokenEvent& e : out.tokens) {
+    const auto it = live_.find(e.request);
+    if (it == live_.end()) continue;
+    TokenRecord t{e.index, e.token, std::nullopt, t_end};
+    if (it->second->params_.logprobs >= 0) {
+      const std::pair<RequestId, int> key{e.request, e.index};
+      const size_t k = taken[key]++, n = in_step[key];
+      const std::vector<TokenLogprob>* lps = logprobs_of(e.request, e.index);
+      if (lps && lps->size() >= n) t.logprob = (*lps)[lps->size() - n + k];
+    }
+    batches[e.request].push_back(std::move(t));
+  }
+  for (auto& [id, toks] : batches) {
+    RequestStream& r = *live_.at(id);
+    if (r.scheduled_ == 0) r.scheduled_ = t_start;
+    r.push(std::move(toks));
+  }
+  for (const Sequence* s : engine_->scheduler().running())
+    if (const auto it = live_.find(s->request->id); it != live_.end() && it->second->scheduled_ == 0)
+      it->second->scheduled_ = t_start;
+  for (const RequestOutput& f : out.finished) {
+    const auto it = live_.find(f.id);
+    if (it == live_.end()) continue;
+    it->second->end(f, std::nullopt, 0, t_end);
+    live_.erase(it);
+    std::lock_guard lock(mu_);
+    --in_flight_;
+  }
+}
+
+void EngineLoop::run() {
+  std::vector<std::shared_ptr<RequestStream>> subs, aborts;
+  try {
+    while (true) {
+      {
+        std::unique_lock lock(mu_);
+        if (!stopping_ && submissions_.empty() && aborts_.empty() && !engine_->has_unfinished())
+          wake_.wait(lock, [&] { return stopping_ || !submissions_.empty() || !aborts_.empty(); });
+        subs.swap(submissions_);
+        aborts.swap(aborts_);
+      }
+      admit(subs);
+      for (auto& r : aborts) {
+        const auto it = live_.find(r->id_);
+        if (r->id_ < 0 || it == live_.end()) continue;
+        RequestOutput out = engine_->abort(r->id_);
+        r->end(std::move(out), std::nullopt, 0, now_seconds());
+        live_.erase(it);
+        std::lock_guard lock(mu_);
+        --in_flight_;
+      }
+      aborts.clear();
+      if (stopping_) break;
+      if (engine_->has_unfinished()) {
+        predict_cached_tokens();
+        const double t0 = now_seconds();
+        const StepOutput out = engine_->step();
+        const double t1 = now_seconds();
+        dispatch(out, t0, t1);
+      }
+      publish();
+    }
+    for (auto& [id, r] : live_) r->end(engine_->abort(id), std::nullopt, 0, now_seconds());
+    {
+      std::lock_guard lock(mu_);
+      in_flight_ -= static_cast<int64_t>(live_.size());
+    }
+    live_.clear();
+    publish();
+    fail_all("the server stopped");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[kestrel] engine loop failed: %s\n", e.what());
+    alive_ = false;
+    fail_all(fmt::format("the engine failed: {}", e.what()));
+    return;
+  }
+  alive_ = false;
+}
+
+}  // namespace kestrel::server

@@ -1,0 +1,133 @@
+// The engine thread: one loop of admit submissions -> apply aborts -> Engine::step() -> hand out tokens, for all
+// HTTP threads. It only timestamps events; everything built from them (text, histograms) happens on the HTTP side.
+// Requests reach it through a bounded queue (overload answers 429), and an abort takes effect before the next step,
+// so a client that goes away has its rows back within one step.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace kestrel::server {
+
+// Seconds on the steady clock.
+double now_seconds();
+
+struct TokenRecord {
+  int index = 0;  // which of the request's n completions
+  int32_t token = 0;
+  std::optional<TokenLogprob> logprob;
+  double time = 0;
+};
+
+// What arrived for a request since the HTTP side last looked.
+struct RequestEvents {
+  std::vector<TokenRecord> tokens;
+  std::optional<RequestOutput> finished;  // the request ended (finish reasons per completion)
+  std::optional<std::string> error;       // the engine refused it (status 400) or failed / stopped (503)
+  int error_status = 0;
+  double finish_time = 0;
+};
+
+// One request's channel between the engine thread and the HTTP side.
+class RequestStream {
+ public:
+  using Notify = std::function<void()>;
+  RequestStream(std::vector<int32_t> prompt, SamplingParams params, int priority, Notify notify)
+      : prompt_(std::move(prompt)), params_(std::move(params)), priority_(priority), notify_(std::move(notify)) {}
+
+  // Moves out what arrived; true when the request is over (finished or failed) and nothing more will come.
+  bool take(RequestEvents& into);
+  double arrival_time() const { return arrival_; }
+  // When the engine first scheduled it (0 while it waits).
+  double scheduled_time() const { return scheduled_.load(); }
+  // Prompt tokens its first admission found in the prefix cache.
+  int64_t cached_tokens() const { return cached_tokens_.load(); }
+  const SamplingParams& params() const { return params_; }
+  int64_t prompt_len() const { return static_cast<int64_t>(prompt_.size()); }
+
+ private:
+  friend class EngineLoop;
+  void push(std::vector<TokenRecord>&& tokens);
+  void end(std::optional<RequestOutput> out, std::optional<std::string> error, int error_status, double time);
+
+  std::vector<int32_t> prompt_;
+  SamplingParams params_;
+  int priority_;
+  Notify notify_;
+  double arrival_ = 0;
+  std::atomic<double> scheduled_{0};
+  std::atomic<int64_t> cached_tokens_{0};
+  RequestId id_ = -1;  // engine thread only
+
+  std::mutex mu_;
+  RequestEvents pending_;
+  bool over_ = false;
+};
+
+struct EngineSnapshot {
+  int num_running = 0, num_waiting = 0;
+  int64_t in_flight = 0;       // submitted and not yet over
+  double kv_cache_usage = 0;   // fraction of cache rows held by sequences
+  PrefixCacheCounters prefix;
+  int64_t steps = 0, preemptions = 0;
+};
+
+class EngineLoop {
+ public:
+  // max_in_flight: requests submitted and not over, beyond which submit() answers 429.
+  EngineLoop(std::unique_ptr<Engine> engine, int64_t max_in_flight);
+  ~EngineLoop();
+  EngineLoop(const EngineLoop&) = delete;
+  EngineLoop& operator=(const EngineLoop&) = delete;
+
+  void start();
+  // Aborts what is left and joins the thread.
+  void stop();
+
+  // Queues a request. ApiError 429 when the queue is full, 503 when the loop does not admit (draining or dead).
+  std::shared_ptr<RequestStream> submit(std::vector<int32_t> prompt, SamplingParams params, int priority,
+                                        RequestStream::Notify notify);
+  // Ends a request before the next step (no-op when it is over already).
+  void abort(const std::shared_ptr<RequestStream>& r);
+
+  // New submissions get 503 from now on (SIGTERM).
+  void stop_admitting() { admitting_ = false; }
+  bool admitting() const { return admitting_; }
+  // The loop thread runs and has not failed.
+  bool alive() const { return alive_; }
+  EngineSnapshot snapshot() const;
+  int64_t max_model_len() const { return max_model_len_; }
+
+ private:
+  void run();
+  void admit(std::vector<std::shared_ptr<RequestStream>>& subs);
+  void predict_cached_tokens();
+  void dispatch(const StepOutput& out, double t_start, double t_end);
+  void fail_all(const std::string& why);
+  void publish();
+
+  std::unique_ptr<Engine> engine_;
+  const int64_t max_in_flight_, max_model_len_;
+  std::thread thread_;
+  std::atomic<bool> alive_{false}, admitting_{true}, stopping_{false};
+
+  mutable std::mutex mu_;  // guards the queues, in_flight_ and snapshot_
+  std::condition_variable wake_;
+  std::vector<std::shared_ptr<RequestStream>> submissions_, aborts_;
+  int64_t in_flight_ = 0;
+  EngineSnapshot snapshot_;
+
+  std::unordered_map<RequestId, std::shared_ptr<RequestStream>> live_;  // engine thread only
+};
+
+}  // namespace kestrel::server

@@ -1,0 +1,296 @@
+#include "server/http_server.h"
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include "core/error.h"
+#include "server/api_error.h"
+
+namespace kestrel::server {
+
+using tcp = net::ip::tcp;
+using net::use_awaitable;
+
+namespace {
+
+constexpr auto kIdleTimeout = std::chrono::seconds(300);   // a keep-alive connection with no request
+constexpr auto kWriteTimeout = std::chrono::seconds(120);  // a client that stops reading
+constexpr auto kDrainTimeout = std::chrono::seconds(10);
+constexpr uint64_t kMaxDrainBytes = uint64_t{1} << 30;
+
+http::response<http::string_body> make_response(int status, std::string body, const char* content_type,
+                                                 bool keep_alive, unsigned version) {
+  http::response<http::string_body> res{static_cast<http::status>(status), version};
+  res.set(http::field::server, "kestrel");
+  res.set(http::field::content_type, content_type);
+  res.keep_alive(keep_alive);
+  res.body() = std::move(body);
+  res.prepare_payload();
+  return res;
+}
+
+// Answers 413 and then reads (and drops) what the client still sends, so that a client which writes its whole
+// body before reading gets the answer instead of a reset connection.
+awaitable<void> reject_too_large(beast::tcp_stream& stream, uint64_t limit, bool client_waits_for_continue) {
+  beast::error_code ec;
+  auto res = make_response(413, error_body(413, fmt::format("the request body exceeds the limit of {} bytes", limit)),
+                           "application/json", false, 11);
+  stream.expires_after(kWriteTimeout);
+  co_await http::async_write(stream, res, net::redirect_error(use_awaitable, ec));
+  if (ec || client_waits_for_continue) co_return;
+  stream.expires_after(kDrainTimeout);
+  std::vector<char> sink(1 << 16);
+  uint64_t drained = 0;
+  while (drained < kMaxDrainBytes) {
+    const size_t n = co_await stream.async_read_some(net::buffer(sink), net::redirect_error(use_awaitable, ec));
+    if (ec) break;
+    drained += n;
+  }
+}
+
+}  // namespace
+
+std::string error_body(int status, const std::string& message) { return ApiError(status, message).body().dump(); }
+
+struct HttpExchange::Shared {
+  explicit Shared(const net::any_io_executor& ex) : executor(ex), signal(ex, net::steady_timer::time_point::max()) {}
+  net::any_io_executor executor;
+  net::steady_timer signal;
+  std::atomic<bool> notified{false};
+  bool gone = false;  // strand only
+  bool watching = false;
+};
+
+HttpExchange::HttpExchange(beast::tcp_stream& stream, http::request<http::string_body>& req)
+    : stream_(stream), req_(req), shared_(std::make_shared<Shared>(stream.get_executor())) {
+  keep_alive_ = req.keep_alive();
+}
+
+HttpExchange::~HttpExchange() {
+  if (shared_->watching) {
+    beast::error_code ec;
+    stream_.socket().cancel(ec);
+  }
+}
+
+std::string HttpExchange::path() const {
+  const std::string_view t(req_.target().data(), req_.target().size());
+  return std::string(t.substr(0, t.find('?')));
+}
+
+awaitable<void> HttpExchange::reply(int status, std::string body, const char* content_type) {
+  replied_ = true;
+  auto res = make_response(status, std::move(body), content_type, keep_alive_, req_.version());
+  beast::error_code ec;
+  stream_.expires_after(kWriteTimeout);
+  co_await http::async_write(stream_, res, net::redirect_error(use_awaitable, ec));
+  stream_.expires_never();
+  if (ec) shared_->gone = true;
+}
+
+awaitable<bool> HttpExchange::begin_events() {
+  replied_ = true;
+  http::response<http::empty_body> res{http::status::ok, req_.version()};
+  res.set(http::field::server, "kestrel");
+  res.set(http::field::content_type, "text/event-stream");
+  res.set(http::field::cache_control, "no-cache");
+  res.keep_alive(keep_alive_);
+  res.chunked(true);
+  http::response_serializer<http::empty_body> sr{res};
+  beast::error_code ec;
+  stream_.expires_after(kWriteTimeout);
+  co_await http::async_write_header(stream_, sr, net::redirect_error(use_awaitable, ec));
+  stream_.expires_never();
+  if (ec) shared_->gone = true;
+  co_return !shared_->gone;
+}
+
+awaitable<bool> HttpExchange::send_event(const std::string& data) {
+  if (shared_->gone) co_return false;
+  const std::string event = "data: " + data + "\n\n";
+  beast::error_code ec;
+  stream_.expires_after(kWriteTimeout);
+  co_await net::async_write(stream_, http::make_chunk(net::buffer(event)), net::redirect_error(use_awaitable, ec));
+  stream_.expires_never();
+  if (ec) shared_->gone = true;
+  co_return !shared_->gone;
+}
+
+awaitable<void> HttpExchange::end_events() {
+  if (shared_->gone) co_return;
+  beast::error_code ec;
+  stream_.expires_after(kWriteTimeout);
+  co_await net::async_write(stream_, http::make_chunk_last(), net::redirect_error(use_awaitable, ec));
+  stream_.expires_never();
+  if (ec) shared_->gone = true;
+}
+
+std::function<void()> HttpExchange::notifier() {
+  return [weak = std::weak_ptr<Shared>(shared_)] {
+    const auto s = weak.lock();
+    if (!s) return;
+    s->notified = true;
+    net::post(s->executor, [weak] {
+      if (const auto s2 = weak.lock()) s2->signal.cancel();
+    });
+  };
+}
+
+awaitable<void> HttpExchange::wait() {
+  if (shared_->notified.exchange(false) || shared_->gone) co_return;
+  shared_->signal.expires_at(net::steady_timer::time_point::max());
+  beast::error_code ec;
+  co_await shared_->signal.async_wait(net::redirect_error(use_awaitable, ec));
+  shared_->notified = false;
+}
+
+void HttpExchange::watch_disconnect() {
+  if (shared_->watching) return;
+  shared_->watching = true;
+  // Readable with nothing to read means the peer closed; a pipelined next request is data and ends the watch.
+  stream_.socket().async_wait(tcp::socket::wait_read, [s = shared_, &sock = stream_.socket()](beast::error_code ec) {
+    if (ec == net::error::operation_aborted) return;  // the exchange ended (the socket may be gone)
+    beast::error_code e2;
+    if (ec || sock.available(e2) == 0 || e2) {
+      s->gone = true;
+      s->signal.cancel();
+    }
+  });
+}
+
+bool HttpExchange::client_gone() const { return shared_->gone; }
+
+HttpServer::HttpServer(const HttpServerOptions& opts, Handler handler)
+    : opts_(opts), handler_(std::move(handler)), ioc_(opts.threads), acceptor_(ioc_) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+int HttpServer::listen() {
+  beast::error_code ec;
+  const auto addr = net::ip::make_address(opts_.host, ec);
+  if (ec) fail("--host '{}' is not an IP address", opts_.host);
+  const tcp::endpoint ep(addr, static_cast<unsigned short>(opts_.port));
+  acceptor_.open(ep.protocol(), ec);
+  if (!ec) acceptor_.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor_.bind(ep, ec);
+  if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) fail("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
+  return acceptor_.local_endpoint().port();
+}
+
+void HttpServer::start() {
+  net::co_spawn(ioc_, accept_loop(), net::detached);
+  for (int i = 0; i < opts_.threads; ++i) threads_.emplace_back([this] { ioc_.run(); });
+}
+
+void HttpServer::stop() {
+  if (stopped_.exchange(true)) return;
+  net::post(ioc_, [this] {
+    beast::error_code ec;
+    acceptor_.close(ec);
+  });
+  ioc_.stop();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+awaitable<void> HttpServer::accept_loop() {
+  while (acceptor_.is_open()) {
+    beast::error_code ec;
+    tcp::socket socket = co_await acceptor_.async_accept(net::make_strand(ioc_), net::redirect_error(use_awaitable, ec));
+    if (ec) {
+      if (!acceptor_.is_open()) co_return;
+      // Out of descriptors or a transient error: back off briefly rather than spin.
+      net::steady_timer pause(ioc_, std::chrono::milliseconds(50));
+      co_await pause.async_wait(net::redirect_error(use_awaitable, ec));
+      continue;
+    }
+    const auto ex = socket.get_executor();
+    net::co_spawn(ex, session(std::move(socket)), net::detached);
+  }
+}
+
+awaitable<void> HttpServer::session(tcp::socket socket) {
+  struct Count {
+    std::atomic<int>& n;
+    explicit Count(std::atomic<int>& c) : n(c) { ++n; }
+    ~Count() { --n; }
+  } count(connections_);
+  beast::tcp_stream stream(std::move(socket));
+  beast::flat_buffer buffer;
+  beast::error_code ec;
+  if (connections_ > opts_.max_connections) {
+    auto res = make_response(503, error_body(503, "too many open connections"), "application/json", false, 11);
+    stream.expires_after(kWriteTimeout);
+    co_await http::async_write(stream, res, net::redirect_error(use_awaitable, ec));
+    stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+    co_return;
+  }
+  while (!stopped_) {
+    http::request_parser<http::string_body> parser;
+    parser.body_limit(opts_.max_body_bytes);
+    stream.expires_after(kIdleTimeout);
+    co_await http::async_read_header(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
+    if (ec) {
+      if (ec != http::error::end_of_stream && ec != beast::error::timeout && ec != net::error::eof &&
+          ec != net::error::connection_reset && ec != net::error::operation_aborted) {
+        auto res = make_response(400, error_body(400, "malformed HTTP request: " + ec.message()), "application/json",
+                                 false, 11);
+        co_await http::async_write(stream, res, net::redirect_error(use_awaitable, ec));
+      }
+      break;
+    }
+    const bool expect_continue = beast::iequals(parser.get()[http::field::expect], "100-continue");
+    if (parser.content_length() && *parser.content_length() > opts_.max_body_bytes) {
+      co_await reject_too_large(stream, opts_.max_body_bytes, expect_continue);
+      break;
+    }
+    if (expect_continue) {
+      static const std::string cont = "HTTP/1.1 100 Continue\r\n\r\n";
+      co_await net::async_write(stream, net::buffer(cont), net::redirect_error(use_awaitable, ec));
+      if (ec) break;
+    }
+    co_await http::async_read(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
+    if (ec == http::error::body_limit) {
+      co_await reject_too_large(stream, opts_.max_body_bytes, false);
+      break;
+    }
+    if (ec) {
+      if (ec != net::error::eof && ec != http::error::end_of_stream && ec != beast::error::timeout &&
+          ec != http::error::partial_message && ec != net::error::connection_reset) {
+        auto res = make_response(400, error_body(400, "malformed HTTP request: " + ec.message()), "application/json",
+                                 false, 11);
+        co_await http::async_write(stream, res, net::redirect_error(use_awaitable, ec));
+      }
+      break;
+    }
+    stream.expires_never();
+    http::request<http::string_body> req = parser.release();
+    bool keep_alive = false;
+    {
+      HttpExchange ex(stream, req);
+      std::string failure;
+      try {
+        co_await handler_(ex);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty()) {
+        std::fprintf(stderr, "[kestrel] request %s failed: %s\n", ex.path().c_str(), failure.c_str());
+        if (!ex.replied()) co_await ex.reply(500, error_body(500, failure));
+      }
+      keep_alive = failure.empty() && ex.keep_alive() && !ex.client_gone();
+    }
+    if (!keep_alive) break;
+  }
+  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  stream.socket().close(ec);
+}
+
+}  // namespace kestrel::server

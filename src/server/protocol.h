@@ -1,0 +1,84 @@
+// The OpenAI request bodies the server accepts, parsed and validated (field types, ranges, combinations) into
+// plain structs. Every invalid request throws ApiError(400) naming the field. Unknown top-level fields are ignored
+// and reported back (as vLLM does: it logs them); fields this server knows but does not implement are rejected.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/sampler.h"
+
+namespace kestrel::server {
+
+using Json = nlohmann::ordered_json;
+
+// What /v1/completions and /v1/chat/completions share.
+struct GenerationParams {
+  std::string model;                 // empty: the served model
+  SamplingParams sampling;           // max_tokens resolved later (see max_tokens)
+  std::optional<int64_t> max_tokens;  // none: what max_model_len leaves after the prompt
+  bool seeded = false;               // the request gave a seed (else the server draws one)
+  std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+  bool stream = false;
+  bool include_usage = false;        // stream_options.include_usage
+  bool continuous_usage_stats = false;
+  int top_logprobs = -1;             // >= 0: log-probabilities with this many alternatives
+  bool return_tokens_as_token_ids = false;  // logprob tokens as "token_id:N" (vLLM's option)
+  int priority = 0;
+  std::vector<std::string> ignored_fields;
+};
+
+using PromptInput = std::variant<std::string, std::vector<int32_t>>;
+
+struct CompletionRequest {
+  GenerationParams gen;
+  std::vector<PromptInput> prompts;  // one or more; choices are numbered prompt * n + i
+  bool echo = false;
+};
+
+enum class ToolChoice { none, automatic, required, named };
+
+struct ChatRequest {
+  GenerationParams gen;
+  Json messages;                 // normalised: content is a string (or null), roles checked
+  Json tools;                    // null or the array of tools
+  ToolChoice tool_choice = ToolChoice::none;
+  std::string tool_name;         // with ToolChoice::named
+  bool add_generation_prompt = true;
+  bool continue_final_message = false;
+  Json chat_template_kwargs;     // null or an object
+};
+
+struct TokenizeRequest {
+  std::string model;
+  std::optional<std::string> prompt;  // either prompt ...
+  Json messages;                      // ... or chat messages (rendered with the chat template)
+  bool add_special_tokens = true;
+  bool add_generation_prompt = true;
+  bool return_token_strs = false;
+};
+
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int32_t> tokens;
+};
+
+// The maximum `n`, `logprobs` / `top_logprobs` a request may ask for.
+constexpr int kMaxN = 128;
+constexpr int kMaxLogprobs = 20;
+
+CompletionRequest parse_completion_request(const Json& body);
+ChatRequest parse_chat_request(const Json& body);
+TokenizeRequest parse_tokenize_request(const Json& body);
+DetokenizeRequest parse_detokenize_request(const Json& body);
+
+// Parses a request body: 400 for malformed JSON (including invalid UTF-8) or a body that is not an object.
+Json parse_body(const std::string& body);
+
+}  // namespace kestrel::server
