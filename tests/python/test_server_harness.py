@@ -1,0 +1,226 @@
+"""Shared helpers of the server tests: tiny checkpoints (a random one, and a "scripted" one whose greedy output is
+known), and `kestrel serve` started on a free loopback port and always stopped. No tests live here."""
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Ids of the tiny models' tokenizer (src/model/tokenizer_files.h): bytes, then the Kimi special tokens.
+EOS = 258             # <|im_end|>
+IM_MIDDLE = 262       # the last token of a chat prompt with add_generation_prompt
+THINK, END_THINK = 263, 264
+SECTION_BEGIN, SECTION_END = 265, 266
+CALL_BEGIN, ARGS_BEGIN, CALL_END = 267, 268, 269
+FIRST_FREE_ID = 271   # ids above the tokenizer's specials, free for added tokens
+
+# Texts of the scripted model, each one added token.
+REASONING = "Let me check the weather."
+CONTENT = "Checking."
+CALL_ID = "functions.get_weather:0"
+ARGUMENTS = '{"city": "Paris"}'
+# A completion prompt "Z" continues with these pieces, then ends (EOS).
+COMPLETION_START = ord("Z")
+COMPLETION_PIECES = ["Hello", " world", ",", " this", " is", " kestrel", "."]
+SCRIPTED_COMPLETION = "".join(COMPLETION_PIECES)
+
+
+def kestrel_bin() -> str:
+    path = os.environ.get("KESTREL_BIN")
+    if path:
+        if not os.access(path, os.X_OK):
+            pytest.fail(f"KESTREL_BIN={path} is not an executable")
+        return path
+    default = REPO / "build" / "src" / "kestrel"
+    if not os.access(default, os.X_OK):
+        pytest.skip(f"no kestrel binary at {default} (build it or set KESTREL_BIN)")
+    return str(default)
+
+
+def make_tiny(directory) -> Path:
+    directory = Path(directory)
+    subprocess.run([kestrel_bin(), "make-model", "--arch", "kimi_k3", "--preset", "tiny", "--out", str(directory)],
+                   check=True, capture_output=True, timeout=120)
+    return directory
+
+
+def _read_safetensors(path):
+    data = Path(path).read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    return bytearray(data), header, 8 + n
+
+
+def _bf16(values: np.ndarray) -> bytes:
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x8000) >> 16).astype(np.uint16).tobytes()  # round to nearest (ties away; exact for our values)
+
+
+def make_scripted(directory) -> Path:
+    """A tiny kimi_k3 checkpoint whose greedy continuation of a token depends (almost) only on that token, so that
+    outputs are known in advance: a huge embedding along one axis per chain token swamps every layer's output, and
+    the LM head maps that axis to the next token of the chain. Chains:
+      chat:        <|im_middle|> <think> REASONING </think> CONTENT <section> <call> CALL_ID <args> ARGUMENTS
+                   <call_end> <section_end> <|im_end|>
+      completion:  'Z' Hello ' world' ',' ' this' ' is' ' kestrel' '.' <|im_end|>
+    Texts are added (non-special) tokens of the tokenizer."""
+    directory = make_tiny(directory)
+    tok_path = directory / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    texts = [REASONING, CONTENT, CALL_ID, ARGUMENTS] + COMPLETION_PIECES
+    ids = {}
+    for i, t in enumerate(texts):
+        tid = FIRST_FREE_ID + i
+        ids[t] = tid
+        tok["added_tokens"].append({"id": tid, "content": t, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": False})
+    tok_path.write_text(json.dumps(tok, ensure_ascii=False))
+    chains = [
+        [IM_MIDDLE, THINK, ids[REASONING], END_THINK, ids[CONTENT], SECTION_BEGIN, CALL_BEGIN, ids[CALL_ID],
+         ARGS_BEGIN, ids[ARGUMENTS], CALL_END, SECTION_END, EOS],
+        [COMPLETION_START] + [ids[p] for p in COMPLETION_PIECES] + [EOS],
+    ]
+    data, header, base = _read_safetensors(directory / "model.safetensors")
+
+    def tensor(name):
+        meta = header[name]
+        b, e = meta["data_offsets"]
+        assert meta["dtype"] == "BF16"
+        raw = np.frombuffer(bytes(data[base + b:base + e]), dtype=np.uint16).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(meta["shape"]).copy(), (base + b, base + e)
+
+    embed, embed_at = tensor("model.embed_tokens.weight")
+    head, head_at = tensor("lm_head.weight")
+    norm, norm_at = tensor("model.norm.weight")
+    axis = 0
+    for chain in chains:
+        for cur, nxt in zip(chain, chain[1:]):
+            embed[cur] = 0.0
+            embed[cur, axis] = 1000.0
+            head[:, axis] = 0.0
+            head[nxt, axis] = 10.0
+            axis += 1
+    assert axis <= embed.shape[1]
+    norm[:] = 1.0
+    for arr, (b, e) in ((embed, embed_at), (head, head_at), (norm, norm_at)):
+        data[b:e] = _bf16(arr)
+    (directory / "model.safetensors").write_bytes(bytes(data))
+    return directory
+
+
+class Server:
+    """`kestrel serve MODEL_DIR` on 127.0.0.1 and a free port; stop() sends SIGTERM and checks the exit code."""
+
+    def __init__(self, model_dir, *args, name="tiny"):
+        self.name = name
+        cmd = [kestrel_bin(), "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+               "--served-model-name", name, *map(str, args)]
+        # The client shares the CPU (2 cores in CI): OpenMP barriers of a multi-threaded engine step then wait for
+        # time slices, and the tiny models gain nothing from threads.
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("KESTREL_SERVER_OMP_THREADS", "1")}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.log = []
+        self.port = None
+        ready = threading.Event()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
+                if m and self.port is None:
+                    self.port = int(m.group(1))
+                    ready.set()
+            ready.set()
+
+        self._drain = threading.Thread(target=drain, daemon=True)
+        self._drain.start()
+        if not ready.wait(60) or self.port is None:
+            self.proc.kill()
+            pytest.fail("kestrel serve did not start:\n" + "".join(self.log))
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        import openai
+        kw.setdefault("api_key", "unused")
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 60)
+        return openai.OpenAI(base_url=self.url + "/v1", **kw)
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.status, r.read().decode()
+
+    def metrics(self):
+        """The /metrics samples as {name: value} for unlabelled-but-model samples, {(name, labels...): value}
+        otherwise (parsed with prometheus_client)."""
+        from prometheus_client.parser import text_string_to_metric_families
+        _, text = self.get("/metrics")
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                extra = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                out[(s.name,) + extra if extra else s.name] = s.value
+        return out
+
+    def wait_idle(self, timeout=10.0):
+        """Waits until nothing runs, waits or is in flight and no cache row is held; returns the metrics."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            if (m["kestrel:num_requests_running"] == 0 and m["kestrel:num_requests_waiting"] == 0
+                    and m["kestrel:num_requests_in_flight"] == 0 and m["kestrel:kv_cache_usage_perc"] == 0):
+                return m
+            if time.time() > deadline:
+                pytest.fail(f"the server did not become idle: {m}")
+            time.sleep(0.02)
+
+    def stop(self, timeout=60):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                pytest.fail("kestrel serve did not exit after SIGTERM:\n" + "".join(self.log))
+        self._drain.join(5)
+        return self.proc.returncode
+
+
+def post(url, body, headers=None, timeout=60):
+    """POSTs bytes or a JSON-able body; returns (status, parsed JSON or text)."""
+    data = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(tmp_path_factory):
+    return make_scripted(tmp_path_factory.mktemp("scripted"))
