@@ -2,6 +2,7 @@
 // timed stage by stage and whole, against the roofline of shared/bench/BENCHMARKING.md. Writes a markdown table.
 //
 // Usage: dsa_decode_bench [context=131072]
+//        dsa_decode_bench --profile [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for ncu
 // Inputs are random (quantised Gaussian keys, queries and latents, never zeros), the pages of each request are
 // scattered over the pool, and every timed iteration uses another set of requests' caches (sets of caches until
 // they are several times the 60 MB L2), so the timings read the caches from memory.
@@ -102,7 +103,7 @@ struct Result {
   double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
 };
 
-Result run(int B, int H, int Hi, int L, double* copy_bw) {
+Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile) {
   std::mt19937 rng(12345);
   const int pages_per_req = L / kPage;
   // Sets of request caches rotated between iterations: at least ~600 MB of index keys + latents in all.
@@ -159,7 +160,12 @@ Result run(int B, int H, int Hi, int L, double* copy_bw) {
     kestrel::cuda::index_scores_decode(queries, pages_of(ik_pool, ik_page), table(i), ctx_d.get(), L, mode,
                                        scores.get(), L, nullptr);
   };
-  auto topk_step = [&](int32_t* idx) { kestrel::cuda::topk_decode(scores.get(), L, B, 1, ctx_d.get(), L, kTopk, idx, nullptr); };
+  const size_t topk_ws_bytes = kestrel::cuda::topk_decode_workspace_bytes(B, 1, L, kTopk);
+  DeviceBuffer<uint8_t> topk_ws(topk_ws_bytes);
+  KESTREL_CUDA_CHECK(cudaMemset(topk_ws.get(), 0, topk_ws_bytes));
+  auto topk_step = [&](int32_t* idx) {
+    kestrel::cuda::topk_decode(scores.get(), L, B, 1, ctx_d.get(), L, kTopk, idx, topk_ws.get(), topk_ws_bytes, nullptr);
+  };
   auto mla_step = [&](int i, const int32_t* idx) {
     kestrel::cuda::SparseMlaDecodeArgs a;
     a.q_abs = q_abs_d.get();
@@ -176,6 +182,15 @@ Result run(int B, int H, int Hi, int L, double* copy_bw) {
     a.lse = lse.get();
     kestrel::cuda::sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
   };
+
+  if (profile) {
+    scores_step(0, kestrel::cuda::IndexScoreMode::exact);
+    topk_step(idx_exact.get());
+    mla_step(0, idx_exact.get());
+    scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    return {};
+  }
 
   // Recall of the fast mode's top-k against the exact one, on set 0.
   scores_step(0, kestrel::cuda::IndexScoreMode::exact);
@@ -225,7 +240,8 @@ Result run(int B, int H, int Hi, int L, double* copy_bw) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int L = argc > 1 ? std::atoi(argv[1]) : 131072;
+  const bool profile = argc > 1 && std::strcmp(argv[1], "--profile") == 0;
+  const int L = argc > 1 + profile ? std::atoi(argv[1 + profile]) : 131072;
   if (kestrel::cuda::device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -234,23 +250,29 @@ int main(int argc, char** argv) {
   KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, context %d, top-%d, page %d, n_q 1\n", prop.name, prop.multiProcessorCount, L,
               kTopk, kPage);
+  double copy_bw = 0;
+  if (profile) {
+    run(32, 128, 64, L, &copy_bw, true);
+    return 0;
+  }
   struct Config {
     int B, H, Hi;
   };
   const Config configs[] = {{1, 128, 64}, {32, 128, 64}, {1, 96, 64}, {32, 96, 64}, {32, 128, 32}, {64, 128, 64}};
-  double copy_bw = 0;
   std::printf(
       "\n| B | H | H_I | scores exact | scores fp8 | top-k | sparse MLA | step exact | step fp8 | roofline | "
-      "roofline/step exact | roofline/step fp8 | fp8 top-k recall |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "roofline/step exact | roofline/step fp8 | fp8 top-k recall | fp8 scan TB/s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
-    const Result r = run(c.B, c.H, c.Hi, L, &copy_bw);
+    const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false);
     // Roofline (BENCHMARKING.md): 132 L / BW + max(576 K / BW, 2176 h K / F) per request, at the measured copy BW.
     const double scan = static_cast<double>(c.B) * 132.0 * L / copy_bw;
     const double attn = std::max(static_cast<double>(c.B) * 576.0 * kTopk / copy_bw, static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
     const double roof_us = (scan + attn) * 1e6;
-    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f |\n", c.B, c.H,
-                c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
-                roof_us / r.step_exact, roof_us / r.step_fast, r.recall);
+    const double scan_tbs = static_cast<double>(c.B) * L * kestrel::cuda::kIndexKeyBytes / (r.scores_fast * 1e-6) / 1e12;
+    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f |\n", c.B,
+                c.H, c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
+                roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs);
     std::fflush(stdout);
   }
   std::printf("\ntimes in microseconds, medians of 20 after 3 warm-ups; copy bandwidth measured in this run: %.2f TB/s "

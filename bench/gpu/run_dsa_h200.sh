@@ -6,8 +6,10 @@
 # nothing else in the tree has to build there.
 # Usage, from anywhere: bench/gpu/run_dsa_h200.sh [log-dir]   (default: $OUT, else ./out-gpu)
 #   --build-only as the first argument stops after linking (to check the build on a machine without a GPU).
-# Writes env.txt, build.log, test.log, test.xml, bench.log and memcheck.log to the log dir; exits non-zero if the
-# build, a test or the benchmark failed.
+#   KESTREL_DSA_PROFILE=1 adds an Nsight Compute profile of one launch of each stage (ncu.txt);
+#   KESTREL_DSA_RACECHECK=1 adds a compute-sanitizer racecheck of small cases (racecheck.log).
+# Writes env.txt, build.log, sass.txt, test.log, test.xml, bench.log and memcheck.log to the log dir; exits
+# non-zero if the build, a test or the benchmark failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -70,6 +72,18 @@ grep -iE "warning|spill" "$LOGS/build.log" | head -20
 echo "build ok"
 [ "$BUILD_ONLY" = 1 ] && exit 0
 
+# Registers, shared memory and the matrix instructions of each kernel, from the machine code that ran.
+if command -v cuobjdump >/dev/null 2>&1 || [ -x "$CUDA_HOME/bin/cuobjdump" ]; then
+  OBJDUMP=$(command -v cuobjdump || echo "$CUDA_HOME/bin/cuobjdump")
+  for o in dsa_index dsa_topk dsa_mla; do
+    echo "== $o"
+    "$OBJDUMP" --dump-resource-usage "$BUILD/$o.o" 2>&1 | grep -E "Function|REG|SHARED" | sed 's/^ *//'
+    "$OBJDUMP" --dump-sass "$BUILD/$o.o" 2>/dev/null |
+      awk '/Function :/{f=$3} /(HMMA|IMMA|QMMA|HGMMA|LDGSTS|LDL|STL)/{match($0,/(HMMA|IMMA|QMMA|HGMMA|LDGSTS|LDL|STL)[.A-Z0-9]*/); n[f" "substr($0,RSTART,RLENGTH)]++} END{for(k in n) print n[k], k}' |
+      sort -k2
+  done >"$LOGS/sass.txt" 2>&1
+fi
+
 "$BUILD/dsa_kernels_test" --gtest_output=xml:"$LOGS/test.xml" >"$LOGS/test.log" 2>&1
 test_rc=$?
 grep -E "^\[  (FAILED|PASSED|SKIPPED) |largest|Failure|error:|Expected|Which is|first differing" "$LOGS/test.log" | head -60
@@ -78,9 +92,21 @@ bench_rc=${PIPESTATUS[0]}
 # Out-of-bounds and race checks on the smaller cases (informational: never fails the run).
 SAN=$(command -v compute-sanitizer || ls "$CUDA_HOME"/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
-  timeout 150 "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
+  timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
     --gtest_filter='DsaIndexKeyWriter.*:DsaTopk.Speculative*:*DsaIndexScores*/0:*DsaSparseMla*/4' >"$LOGS/memcheck.log" 2>&1
   echo "memcheck exit $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
+  if [ "${KESTREL_DSA_RACECHECK:-0}" = 1 ]; then
+    timeout 90 "$SAN" --tool racecheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
+      --gtest_filter='DsaTopk.Speculative*:*DsaIndexScores*/1:*DsaSparseMla*/4' >"$LOGS/racecheck.log" 2>&1
+    echo "racecheck exit $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1))"
+  fi
+fi
+NCU=$(command -v ncu || ls "$CUDA_HOME"/bin/ncu 2>/dev/null | head -1)
+if [ "${KESTREL_DSA_PROFILE:-0}" = 1 ] && [ -n "$NCU" ]; then
+  timeout 150 "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section Occupancy -k regex:'index_scores|topk_kernel|sparse_mla' \
+    "$BUILD/dsa_decode_bench" --profile >"$LOGS/ncu.txt" 2>&1
+  echo "ncu exit $?"
 fi
 echo "dsa_kernels_test exit $test_rc, dsa_decode_bench exit $bench_rc"
 [ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -86,12 +86,20 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
                          int64_t score_stride, cudaStream_t stream);
 
 // ---------------------------------------------------------------- top-k (decode)
+// Device scratch that topk_decode needs for these shapes on the current device. It must be zero-filled before
+// its first use (cudaMemset once, when it is allocated); every call leaves it zero-filled again, so one workspace
+// serves any number of calls of at most these sizes, one call at a time (not on two streams at once).
+size_t topk_decode_workspace_bytes(int batch, int n_q, int max_ctx_len, int k);
+
 // For each query row q = r * n_q + i: the k best of candidates 0 .. n-1, n = ctx_lens[r] - n_q + i + 1 (cut to
 // max_ctx_len), by cpu::topk_indices' rule (higher score, then lower position; -0 = +0; -inf and NaN never),
 // written as request-relative positions in ascending position order (not in rank order), then -1 up to k.
-// scores as written by index_scores_decode. out: [batch * n_q, k] int32.
+// scores as written by index_scores_decode. out: [batch * n_q, k] int32. A row is split over several CTAs that
+// wait for each other (a cooperative launch: the grid is sized to be resident at once); max_ctx_len is limited to
+// what the device can hold at once (16384 positions per resident CTA, over 6M on an H200).
 void topk_decode(const float* scores, int64_t score_stride, int batch, int n_q, const int32_t* ctx_lens,
-                 int max_ctx_len, int k, int32_t* out, cudaStream_t stream);
+                 int max_ctx_len, int k, int32_t* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream);
 
 // ---------------------------------------------------------------- sparse MLA decode
 struct SparseMlaDecodeArgs {

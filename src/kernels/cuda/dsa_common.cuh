@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/runtime.h"
@@ -25,11 +27,35 @@ inline void check_pages(const Pages& p, const char* fn) {
               ", size " + std::to_string(p.page_size));
 }
 
+// A value computed once per device (host side: launch plans read occupancy and attributes, which are too slow to
+// query on every decode step).
+class DeviceCache {
+ public:
+  template <typename F>
+  int get(F compute) {
+    int device = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = values_.find(device);
+    if (it != values_.end()) return it->second;
+    const int value = compute();
+    values_.emplace(device, value);
+    return value;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<int, int> values_;
+};
+
 inline int device_sm_count() {
-  int device = 0, sms = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  return sms;
+  static DeviceCache cache;
+  return cache.get([] {
+    int device = 0, sms = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    return sms;
+  });
 }
 
 // Address of the row of request `req` at `pos` inside its page (rows of `row_bytes` from the page start).

@@ -1,22 +1,32 @@
 // DSA indexer on the GPU: the index-key writer and the decode scores over paged index keys.
 //
 // Exact scores. Every finite e4m3 value is an integer multiple of 2^-9: value * 512 = u with |u| <= 448 * 512 <
-// 2^18. Split u into three signed 7-bit limbs, u = l0 + l1 2^7 + l2 2^14 (each limb carries u's sign, |l| <= 127),
-// so a 128-term dot is sum over limb pairs (a, b) of 2^(7(a+b)) * sum_d lq_a[d] lk_b[d]. Each limb product is an
-// int8 tensor-core MMA with an int32 accumulator; the pairs with the same a + b share one accumulator (at most
-// 3 * 128 * 127^2 < 2^23 in magnitude, no overflow). The five accumulators are combined in int64 (|dot| * 2^18 <
-// 2^43), rounded to fp32 once (__ll2float_rn) and scaled by 2^-18: exactly cpu::indexer_scores' dot. The ReLU,
-// the weight product and the head sum j = 0..H_I-1 are then the same fp32 operations in the same order.
+// 2^18. Split u into three signed 7-bit limbs, u = l0 + l1 2^7 + l2 2^14 (each limb carries u's sign, |l0|, |l1|
+// <= 127, |l2| <= 14), so a 128-term dot is sum over limb pairs (a, b) of 2^(7(a+b)) * sum_d lq_a[d] lk_b[d]. Each
+// limb product is an int8 tensor-core MMA with an int32 accumulator; the pairs with the same a + b share one
+// accumulator acc[a + b] (at most 3 * 128 * 127^2 < 2^23 in magnitude, no overflow). The exact dot
+// S = sum_i 2^(7i) acc[i] (|S| < 2^36) is rounded to fp32 once, without 64-bit arithmetic: with
+// mid = acc[1] + 2^7 acc[2] (< 2^29) and hi = acc[3] + 2^7 acc[4] (< 2^22), S = 2^21 high + low where
+// high = hi + (mid >> 14) and low = acc[0] + 2^7 (mid & 0x3FFF) both lie within +-2^22, so both are exact fp32
+// values and one IEEE addition of 8 high and 2^-18 low rounds S * 2^-18 exactly as cpu::indexer_scores'
+// static_cast<float>(S) * 2^-18 does. The ReLU, the weight product and the head sum j = 0..H_I-1 are then the same
+// fp32 operations in the same order.
 //
 // The dot runs over d in any order, so lane t of a quad takes bytes 32t .. 32t+31 of a key (two 16-byte loads)
 // and the MMA's k index is mapped onto them: k-step s, register r of the B fragment holds the key's word 2s + r of
 // those 32 bytes; the query's A fragment is built with the same map.
 //
-// CTA: 128 threads (4 warps) for one request, 64 query rows (64 / H_I query tokens x H_I heads; warp w owns rows
-// 16w .. 16w+15, its A fragments in registers for the whole kernel) and a strided set of 64-key tiles. Per tile the
-// keys are staged in shared memory (the exact mode stores their limbs instead of the codes), each warp computes its 16 x 64 dots
-// as 8 n8 tiles, writes w_j * ReLU(dot) to shared memory, and one thread per (query token, key) sums the heads in
-// order and writes the score.
+// Exact kernel: CTA of 8 warps for one request, one group of 64 query rows (64 / H_I query tokens x H_I heads) and
+// a contiguous range of 64-key tiles. Raw key tiles arrive through a 3-stage cp.async ring; per tile the CTA
+// converts the codes to their limbs (through a 256-entry table) in shared memory, warp w multiplies rows
+// 16 (w % m) .. +15 (m = 16-row tiles of the group, A limbs in registers for the whole kernel) by its share of the
+// tile's keys, and writes w_j * ReLU(dot) to a double-buffered term tile; the in-order head sums of a tile (one
+// thread per key and query token) run during the next tile's conversion.
+//
+// Fast FP8 kernel: e4m3 MMAs on the codes. Every warp owns all rows of the group (A codes in registers) and its
+// own stream of 32-key tiles with a private 4-stage cp.async ring, so warps never wait for each other. The head
+// sum is a tree (in registers, then a butterfly over the eight lanes that share a key column), which leaves each
+// lane with one key's score; its order differs from the CPU's, within the mode's stated bound.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -115,13 +125,11 @@ __global__ void __launch_bounds__(kWriterThreads) index_key_write_kernel(const v
   if (lane == 0) reinterpret_cast<float*>(page_base + int64_t{pages.page_size} * kD)[row] = s;
 }
 
+
 // ---------------------------------------------------------------- scores
 
-constexpr int kThreads = 128;
-constexpr int kRows = 64;           // query rows (token, head) per CTA
-constexpr int kTileKeys = 64;       // keys per tile
-constexpr int kKeyStride = 144;     // bytes per staged key row: 128 + 16 of padding against bank conflicts
-constexpr int kTermStride = kRows + 1;
+constexpr int kKeyStride = 144;  // bytes per staged key row: 128 + 16 of padding against bank conflicts
+constexpr int kGroupRows = 64;   // query rows (token, head) per CTA
 
 struct ScoreParams {
   const uint8_t* q;
@@ -134,19 +142,23 @@ struct ScoreParams {
   int max_ctx;
   float* scores;
   int64_t stride;
+  int tiles_per_split;  // key tiles (64 keys exact, 32 keys per warp tile fast) of one CTA
 };
 
-template <bool kExact>
-struct ScoreSmem {
-  uint32_t lut[256];  // e4m3 code -> its three limbs as signed bytes 0..2
-  float terms[kTileKeys][kTermStride];  // w_row * ReLU(dot) for [key][row]
-  float kscale[kTileKeys];
-  int knan[kTileKeys];
-  float w[kRows];
-  int qnan[kRows / 32];  // per query token of the CTA: its codes hold a NaN
-  // The staged keys: their three limbs (exact mode) or their codes (fast mode), [key][byte] with padded rows.
-  alignas(16) uint8_t keys[kExact ? 3 : 1][kTileKeys * kKeyStride];
+// The rows of blockIdx.z's group: rows 64 z .. 64 z + rows - 1 of the request's n_q * H_I rows (token-major).
+struct RowGroup {
+  int row0, rows, m_tiles, token0, tokens;
 };
+
+__device__ __forceinline__ RowGroup row_group(const ScoreParams& p) {
+  RowGroup rg;
+  rg.row0 = static_cast<int>(blockIdx.z) * kGroupRows;
+  rg.rows = min(kGroupRows, p.n_q * p.heads - rg.row0);  // a multiple of 32: H_I is 32 or 64
+  rg.m_tiles = rg.rows / 16;
+  rg.token0 = rg.row0 / p.heads;
+  rg.tokens = rg.rows / p.heads;
+  return rg;
+}
 
 __device__ uint32_t limb_entry(int code) {
   const int mag = code & 0x7F;
@@ -173,161 +185,381 @@ __device__ __forceinline__ void to_limbs(const uint32_t* lut, uint32_t w, uint32
   l2 = __byte_perm(__byte_perm(x0, x1, 0x0062), __byte_perm(x2, x3, 0x0062), 0x5410);
 }
 
-template <bool kExact>
-__global__ void __launch_bounds__(kThreads, 3) index_scores_kernel(ScoreParams p) {
+// x as fp32, exactly, for |x| < 2^22: 1.5 * 2^23 + x has unit spacing there.
+__device__ __forceinline__ float small_int_to_float(int32_t x) {
+  return __fsub_rn(__int_as_float(0x4B400000 + x), 12582912.0f);
+}
+
+// fp32(S) * 2^-18 for the exact dot S = sum_i 2^(7i) acc[i] (see the file comment).
+__device__ __forceinline__ float exact_dot(int32_t a0, int32_t a1, int32_t a2, int32_t a3, int32_t a4) {
+  const int32_t mid = a1 + a2 * 128, hi = a3 + a4 * 128;
+  const int32_t high = hi + (mid >> 14), low = a0 + (mid & 0x3FFF) * 128;
+  return __fadd_rn(__fmul_rn(small_int_to_float(high), 8.0f), __fmul_rn(small_int_to_float(low), 0x1p-18f));
+}
+
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
+}
+
+// The A fragment words of rows g and g + 8 of 16-row tile mt of the group: bytes 32 tq .. 32 tq + 31 of each
+// row; rows past the group are zero. Returns whether a loaded word holds a NaN code; *w_lo / *w_hi get the rows'
+// weights.
+__device__ __forceinline__ bool load_query_rows(const ScoreParams& p, const RowGroup& rg, int req, int mt, int g,
+                                                int tq, uint32_t (&qw)[2][8], float& w_lo, float& w_hi) {
+  bool nan = false;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = rg.row0 + mt * 16 + g + 8 * half;
+    uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
+    float w = 0.0f;
+    if (mt < rg.m_tiles) {
+      const int64_t qrow = (int64_t{req} * p.n_q + row / p.heads) * p.heads + row % p.heads;
+      const uint4* src = reinterpret_cast<const uint4*>(p.q + qrow * kD + 32 * tq);
+      v0 = src[0];
+      v1 = src[1];
+      w = p.w[qrow];
+    }
+    (half ? w_hi : w_lo) = w;
+    qw[half][0] = v0.x, qw[half][1] = v0.y, qw[half][2] = v0.z, qw[half][3] = v0.w;
+    qw[half][4] = v1.x, qw[half][5] = v1.y, qw[half][6] = v1.z, qw[half][7] = v1.w;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) nan = nan || has_e4m3_nan(qw[half][i]);
+  }
+  return nan;
+}
+
+// ---- exact kernel
+
+constexpr int kExactThreads = 256;
+constexpr int kTileKeys = 64;
+constexpr int kExactStages = 3;
+constexpr int kTermStride = kGroupRows + 4;  // floats per key in the term tile (16-byte rows, conflict-free)
+
+struct ExactSmem {
+  uint32_t lut[256];                                        // e4m3 code -> its three limbs as signed bytes 0..2
+  int qnan[kGroupRows / 32];                                // per query token of the group
+  alignas(16) uint8_t raw[kExactStages][kTileKeys * kKeyStride];  // the cp.async ring of code tiles
+  float raw_scale[kExactStages][kTileKeys];
+  alignas(16) uint8_t limbs[3][kTileKeys * kKeyStride];     // the tile being multiplied, as its three limbs
+  float scale[2][kTileKeys];                                // per term buffer: the keys' scales ...
+  int knan[2][kTileKeys];                                   // ... and NaN flags
+  alignas(16) float terms[2][kTileKeys * kTermStride];      // w_row * ReLU(dot), [key][row]
+};
+
+// Copies tile `tile` (64 keys from position 64 tile) into stage `st`; positions from ctx on are zero-filled.
+__device__ __forceinline__ void issue_exact_tile(ExactSmem& sm, const ScoreParams& p, int req, int ctx, int tile,
+                                                 int st) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int it = 0; it < kTileKeys * 8 / kExactThreads; ++it) {
+    const int u = tid + it * kExactThreads;
+    const int key = u >> 3, part = u & 7;
+    const int pos = tile * kTileKeys + key;
+    const bool ok = pos < ctx;
+    const uint8_t* src = ok ? page_row(p.pages, p.bt, req, pos, kD) + part * 16 : p.pages.base;
+    cp_async_16(&sm.raw[st][key * kKeyStride + part * 16], src, ok ? 16 : 0);
+  }
+  if (tid < kTileKeys) {
+    const int pos = tile * kTileKeys + tid;
+    const bool ok = pos < ctx;
+    const uint8_t* src = p.pages.base;
+    if (ok) {
+      const int page = p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size];
+      src = p.pages.base + int64_t{page} * p.pages.page_stride + int64_t{p.pages.page_size} * kD +
+            4 * (pos & (p.pages.page_size - 1));
+    }
+    cp_async_4(&sm.raw_scale[st][tid], src, ok ? 4 : 0);
+  }
+}
+
+// The in-order head sums of one tile: thread (token tl, key) of the group adds its H terms j = 0..H-1.
+template <int H>
+__device__ __forceinline__ float ordered_head_sum(const float* terms) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < H; j += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(terms + j);
+    acc = __fadd_rn(acc, v.x);
+    acc = __fadd_rn(acc, v.y);
+    acc = __fadd_rn(acc, v.z);
+    acc = __fadd_rn(acc, v.w);
+  }
+  return acc;
+}
+
+__device__ __forceinline__ void exact_head_sums(const ExactSmem& sm, const ScoreParams& p, const RowGroup& rg,
+                                                int req, int ctx, int tile, int buf) {
+  const int tid = threadIdx.x;
+  if (tid >= kTileKeys * rg.tokens) return;
+  const int tl = tid / kTileKeys, key = tid % kTileKeys;
+  const int pos = tile * kTileKeys + key;
+  if (pos >= ctx) return;
+  const float* terms = &sm.terms[buf][key * kTermStride + tl * p.heads];
+  const float acc = p.heads == 64 ? ordered_head_sum<64>(terms) : ordered_head_sum<32>(terms);
+  const int token = rg.token0 + tl;
+  float score = __fmul_rn(sm.scale[buf][key], acc);
+  if (sm.knan[buf][key] || sm.qnan[tl]) score = __uint_as_float(0x7FC00000u);
+  if (pos > p.ctx_lens[req] - p.n_q + token) score = -INFINITY;
+  p.scores[(int64_t{req} * p.n_q + token) * p.stride + pos] = score;
+}
+
+__global__ void __launch_bounds__(kExactThreads, 2) index_scores_exact_kernel(ScoreParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  ScoreSmem<kExact>& sm = *reinterpret_cast<ScoreSmem<kExact>*>(smem_raw);
+  ExactSmem& sm = *reinterpret_cast<ExactSmem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
   const int req = blockIdx.y;
-  const int tokens_per_cta = kRows / p.heads;
-  const int token0 = blockIdx.z * tokens_per_cta;
+  const RowGroup rg = row_group(p);
   const int ctx = min(p.ctx_lens[req], p.max_ctx);
+  const int n_tiles = (ctx + kTileKeys - 1) / kTileKeys;
+  const int t_begin = blockIdx.x * p.tiles_per_split, t_end = min(n_tiles, t_begin + p.tiles_per_split);
+  if (t_begin >= t_end) return;
 
-  for (int c = tid; c < 256; c += kThreads) sm.lut[c] = limb_entry(c);
-  if (tid < kRows / 32) sm.qnan[tid] = 0;
-  if (tid < kRows) {
-    const int token = token0 + tid / p.heads;
-    sm.w[tid] = token < p.n_q ? p.w[(int64_t{req} * p.n_q + token) * p.heads + tid % p.heads] : 0.0f;
+  for (int t = 0; t < kExactStages - 1; ++t) {
+    if (t_begin + t < t_end) issue_exact_tile(sm, p, req, ctx, t_begin + t, t);
+    cp_async_commit();
   }
+
+  for (int c = tid; c < 256; c += kExactThreads) sm.lut[c] = limb_entry(c);
+  if (tid < kGroupRows / 32) sm.qnan[tid] = 0;
   __syncthreads();
 
-  // A fragments of rows 16 warp + g and + 8: bytes 32 tq .. 32 tq + 31 of each row (see the file comment).
+  // Warp w: 16-row tile mt = w % m_tiles and key columns of n8 tiles slice * m_tiles .. + m_tiles - 1.
+  const int mt = warp % rg.m_tiles, slice = warp / rg.m_tiles;
   uint32_t qw[2][8];
+  float w_lo, w_hi;
+  const bool nan = load_query_rows(p, rg, req, mt, g, tq, qw, w_lo, w_hi);
+  if (nan) atomicOr(&sm.qnan[(mt * 16) / p.heads], 1);
+  uint32_t qa[3][4][4];  // [limb][k-step][register]
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = warp * 16 + g + 8 * half;
-    const int token = token0 + row / p.heads;
-    uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
-    if (token < p.n_q) {
-      const uint4* src = reinterpret_cast<const uint4*>(
-          p.q + ((int64_t{req} * p.n_q + token) * p.heads + row % p.heads) * kD + 32 * tq);
-      v0 = src[0];
-      v1 = src[1];
-    }
-    qw[half][0] = v0.x, qw[half][1] = v0.y, qw[half][2] = v0.z, qw[half][3] = v0.w;
-    qw[half][4] = v1.x, qw[half][5] = v1.y, qw[half][6] = v1.z, qw[half][7] = v1.w;
-    bool nan = false;
+  for (int s = 0; s < 4; ++s)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) nan = nan || has_e4m3_nan(qw[half][i]);
-    if (nan) atomicOr(&sm.qnan[row / p.heads], 1);
-  }
-  // kExact: qa[limb][k-step]; fast: qa[0][k-step] holds the codes.
-  uint32_t qa[kExact ? 3 : 1][4][4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint32_t word = qw[r & 1][2 * s + (r >> 1)];
-      if constexpr (kExact) {
-        to_limbs(sm.lut, word, qa[0][s][r], qa[1][s][r], qa[2][s][r]);
-      } else {
-        qa[0][s][r] = word;
-      }
-    }
-  }
+    for (int r = 0; r < 4; ++r) to_limbs(sm.lut, qw[r & 1][2 * s + (r >> 1)], qa[0][s][r], qa[1][s][r], qa[2][s][r]);
 
-  const int n_tiles = (ctx + kTileKeys - 1) / kTileKeys;
-  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-    // Stage the tile: 64 keys x 8 16-byte parts; the 8 parts of a key are 8 neighbouring lanes.
+  for (int tile = t_begin; tile < t_end; ++tile) {
+    const int i = tile - t_begin, st = i % kExactStages, buf = i & 1;
+    cp_async_wait<kExactStages - 2>();
+    __syncthreads();  // raw tile `tile` has landed; every thread is done with the previous iteration
+    if (tile + kExactStages - 1 < t_end)
+      issue_exact_tile(sm, p, req, ctx, tile + kExactStages - 1, (i + kExactStages - 1) % kExactStages);
+    cp_async_commit();
+
+    // Codes -> limbs, NaN flags and scales; the 8 16-byte parts of a key are 8 neighbouring lanes.
 #pragma unroll
-    for (int it = 0; it < kTileKeys * 8 / kThreads; ++it) {
-      const int u = tid + it * kThreads;
+    for (int it = 0; it < kTileKeys * 8 / kExactThreads; ++it) {
+      const int u = tid + it * kExactThreads;
       const int key = u >> 3, part = u & 7;
-      const int pos = tile * kTileKeys + key;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (pos < ctx) v = __ldg(reinterpret_cast<const uint4*>(page_row(p.pages, p.bt, req, pos, kD)) + part);
-      const bool nan = has_e4m3_nan(v.x) || has_e4m3_nan(v.y) || has_e4m3_nan(v.z) || has_e4m3_nan(v.w);
-      const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, nan);
-      if (part == 0) sm.knan[key] = (nan_lanes >> (lane & 24)) & 0xFFu;
-      if constexpr (kExact) {
-        uint4 l[3];
-        to_limbs(sm.lut, v.x, l[0].x, l[1].x, l[2].x);
-        to_limbs(sm.lut, v.y, l[0].y, l[1].y, l[2].y);
-        to_limbs(sm.lut, v.z, l[0].z, l[1].z, l[2].z);
-        to_limbs(sm.lut, v.w, l[0].w, l[1].w, l[2].w);
+      const uint4 v = *reinterpret_cast<const uint4*>(&sm.raw[st][key * kKeyStride + part * 16]);
+      const bool key_nan = has_e4m3_nan(v.x) || has_e4m3_nan(v.y) || has_e4m3_nan(v.z) || has_e4m3_nan(v.w);
+      const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, key_nan);
+      if (part == 0) sm.knan[buf][key] = (nan_lanes >> (lane & 24)) & 0xFFu;
+      uint4 l[3];
+      to_limbs(sm.lut, v.x, l[0].x, l[1].x, l[2].x);
+      to_limbs(sm.lut, v.y, l[0].y, l[1].y, l[2].y);
+      to_limbs(sm.lut, v.z, l[0].z, l[1].z, l[2].z);
+      to_limbs(sm.lut, v.w, l[0].w, l[1].w, l[2].w);
 #pragma unroll
-        for (int i = 0; i < 3; ++i) *reinterpret_cast<uint4*>(sm.keys[i] + key * kKeyStride + part * 16) = l[i];
-      } else {
-        *reinterpret_cast<uint4*>(sm.keys[0] + key * kKeyStride + part * 16) = v;
-      }
+      for (int b = 0; b < 3; ++b) *reinterpret_cast<uint4*>(&sm.limbs[b][key * kKeyStride + part * 16]) = l[b];
     }
-    if (tid < kTileKeys) {
-      const int pos = tile * kTileKeys + tid;
-      float scale = 0.0f;
-      if (pos < ctx) {
-        const int page = p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size];
-        const uint8_t* page_base = p.pages.base + int64_t{page} * p.pages.page_stride;
-        scale = __ldg(reinterpret_cast<const float*>(page_base + int64_t{p.pages.page_size} * kD) +
-                      (pos & (p.pages.page_size - 1)));
-      }
-      sm.kscale[tid] = scale;
-    }
-    __syncthreads();
+    if (tid < kTileKeys) sm.scale[buf][tid] = sm.raw_scale[st][tid];
+    if (i > 0) exact_head_sums(sm, p, rg, req, ctx, tile - 1, buf ^ 1);
+    __syncthreads();  // the limbs are ready
 
-    const int row0 = warp * 16 + g;
-    const float w_lo = sm.w[row0], w_hi = sm.w[row0 + 8];
+    const int row0 = mt * 16 + g;
+    float* terms = sm.terms[buf];
 #pragma unroll 1
-    for (int n = 0; n < kTileKeys / 8; ++n) {
+    for (int j = 0; j < rg.m_tiles; ++j) {
+      const int n = slice * rg.m_tiles + j;
       const int off = (n * 8 + g) * kKeyStride + 32 * tq;
-      float dot[4];
-      if constexpr (kExact) {
-        uint32_t kb[3][8];
+      int32_t acc[5][4] = {};
 #pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const uint4 a = *reinterpret_cast<const uint4*>(sm.keys[i] + off);
-          const uint4 b = *reinterpret_cast<const uint4*>(sm.keys[i] + off + 16);
-          kb[i][0] = a.x, kb[i][1] = a.y, kb[i][2] = a.z, kb[i][3] = a.w;
-          kb[i][4] = b.x, kb[i][5] = b.y, kb[i][6] = b.z, kb[i][7] = b.w;
+      for (int sp = 0; sp < 2; ++sp) {  // two k-steps per 16-byte load (conflict-free with the padded rows)
+        uint32_t kb[3][4];
+#pragma unroll
+        for (int b = 0; b < 3; ++b) {
+          const uint4 v = *reinterpret_cast<const uint4*>(&sm.limbs[b][off + 16 * sp]);
+          kb[b][0] = v.x, kb[b][1] = v.y, kb[b][2] = v.z, kb[b][3] = v.w;
         }
-        int32_t acc[5][4] = {};
 #pragma unroll
-        for (int s = 0; s < 4; ++s)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int a = 0; a < 3; ++a)
 #pragma unroll
-            for (int b = 0; b < 3; ++b) mma_s8(acc[a + b], qa[a][s], kb[b][2 * s], kb[b][2 * s + 1]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t exact = int64_t{acc[0][e]} + int64_t{acc[1][e]} * (int64_t{1} << 7) +
-                                int64_t{acc[2][e]} * (int64_t{1} << 14) + int64_t{acc[3][e]} * (int64_t{1} << 21) +
-                                int64_t{acc[4][e]} * (int64_t{1} << 28);
-          dot[e] = __fmul_rn(__ll2float_rn(exact), 0x1p-18f);
-        }
-      } else {
-        const uint4 a = *reinterpret_cast<const uint4*>(sm.keys[0] + off);
-        const uint4 b = *reinterpret_cast<const uint4*>(sm.keys[0] + off + 16);
-        const uint32_t kb[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int s = 0; s < 4; ++s) mma_e4m3(acc, qa[0][s], kb[2 * s], kb[2 * s + 1]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dot[e] = acc[e];
+            for (int b = 0; b < 3; ++b) mma_s8(acc[a + b], qa[a][2 * sp + h], kb[b][2 * h], kb[b][2 * h + 1]);
       }
-      // dot[e]: row row0 + 8 (e >> 1), key n*8 + 2 tq + (e & 1).
+      // acc[.][e]: row row0 + 8 (e >> 1), key n*8 + 2 tq + (e & 1).
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float relu = dot[e] > 0.0f ? dot[e] : 0.0f;
-        sm.terms[n * 8 + 2 * tq + (e & 1)][row0 + 8 * (e >> 1)] = __fmul_rn(e < 2 ? w_lo : w_hi, relu);
+        const float dot = exact_dot(acc[0][e], acc[1][e], acc[2][e], acc[3][e], acc[4][e]);
+        const float relu = dot > 0.0f ? dot : 0.0f;
+        terms[(n * 8 + 2 * tq + (e & 1)) * kTermStride + row0 + 8 * (e >> 1)] = __fmul_rn(e < 2 ? w_lo : w_hi, relu);
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  exact_head_sums(sm, p, rg, req, ctx, t_end - 1, (t_end - 1 - t_begin) & 1);
+}
 
-    if (tid < kTileKeys * tokens_per_cta) {
-      const int tl = tid / kTileKeys, key = tid % kTileKeys;
-      const int token = token0 + tl;
-      const int pos = tile * kTileKeys + key;
-      if (token < p.n_q && pos < ctx) {
-        const float* terms = &sm.terms[key][tl * p.heads];
-        float acc = 0.0f;
-        for (int j = 0; j < p.heads; ++j) acc = __fadd_rn(acc, terms[j]);
-        float score = __fmul_rn(sm.kscale[key], acc);
-        if (sm.knan[key] || sm.qnan[tl]) score = __uint_as_float(0x7FC00000u);
-        if (pos > p.ctx_lens[req] - p.n_q + token) score = -INFINITY;
-        p.scores[(int64_t{req} * p.n_q + token) * p.stride + pos] = score;
+// ---- fast FP8 kernel
+
+constexpr int kFastThreads = 128;
+constexpr int kFastWarps = kFastThreads / 32;
+constexpr int kWarpTileKeys = 32;
+constexpr int kFastStages = 4;
+
+struct FastStage {
+  alignas(16) uint8_t keys[kWarpTileKeys * kKeyStride];
+  float scale[kWarpTileKeys];
+};
+
+struct FastSmem {
+  FastStage stage[kFastWarps][kFastStages];  // one private ring per warp
+};
+
+// Copies warp tile `tile` (32 keys from position 32 tile) into `st`; positions from ctx on are zero-filled.
+__device__ __forceinline__ void issue_fast_tile(FastStage& st, const ScoreParams& p, int req, int ctx, int tile,
+                                                int lane) {
+  const int pos_lane = tile * kWarpTileKeys + lane;
+  const bool ok_lane = pos_lane < ctx;
+  const int page_lane = ok_lane ? p.bt.pages[int64_t{req} * p.bt.stride + pos_lane / p.pages.page_size] : 0;
+#pragma unroll
+  for (int it = 0; it < kWarpTileKeys * 8 / 32; ++it) {
+    const int key = (lane >> 3) + 4 * it, part = lane & 7;
+    const int pos = tile * kWarpTileKeys + key;
+    const int page = __shfl_sync(0xFFFFFFFFu, page_lane, key);
+    const bool ok = pos < ctx;
+    const uint8_t* src = ok ? p.pages.base + int64_t{page} * p.pages.page_stride +
+                                  int64_t{pos & (p.pages.page_size - 1)} * kD + part * 16
+                            : p.pages.base;
+    cp_async_16(&st.keys[key * kKeyStride + part * 16], src, ok ? 16 : 0);
+  }
+  const uint8_t* src = ok_lane ? p.pages.base + int64_t{page_lane} * p.pages.page_stride +
+                                     int64_t{p.pages.page_size} * kD + 4 * (pos_lane & (p.pages.page_size - 1))
+                               : p.pages.base;
+  cp_async_4(&st.scale[lane], src, ok_lane ? 4 : 0);
+}
+
+__global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(ScoreParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FastSmem& sm = *reinterpret_cast<FastSmem*>(smem_raw);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int req = blockIdx.y;
+  const RowGroup rg = row_group(p);
+  const int ctx = min(p.ctx_lens[req], p.max_ctx);
+  const int n_tiles = (ctx + kWarpTileKeys - 1) / kWarpTileKeys;
+  const int t_begin = blockIdx.x * p.tiles_per_split + warp, t_end = min(n_tiles, t_begin - warp + p.tiles_per_split);
+  const int my_tiles = t_begin < t_end ? (t_end - t_begin + kFastWarps - 1) / kFastWarps : 0;
+  if (my_tiles == 0) return;
+  FastStage* ring = sm.stage[warp];
+
+#pragma unroll
+  for (int s = 0; s < kFastStages - 1; ++s) {
+    if (s < my_tiles) issue_fast_tile(ring[s], p, req, ctx, t_begin + s * kFastWarps, lane);
+    cp_async_commit();
+  }
+
+  // A codes of all rows of the group; rows of 16-row tile mt belong to query token (16 mt) / H_I of the group.
+  uint32_t qa[4][4][4];  // [16-row tile][k-step][register]
+  float wr[4][2];
+  bool qnan[2] = {false, false};
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+    uint32_t qw[2][8];
+    const bool nan = load_query_rows(p, rg, req, mt, g, tq, qw, wr[mt][0], wr[mt][1]);
+    const bool any = __any_sync(0xFFFFFFFFu, nan);
+    if (mt * 16 >= p.heads) {
+      qnan[1] = qnan[1] || any;
+    } else {
+      qnan[0] = qnan[0] || any;
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) qa[mt][s][r] = qw[r & 1][2 * s + (r >> 1)];
+  }
+  const int token_pos0 = p.ctx_lens[req] - p.n_q + rg.token0;  // position of the group's first query token
+  // After the butterfly, lane (g, tq) holds the sums of key 8 (g >> 1) + 2 tq + (g & 1) of the tile.
+  const int my_key = 8 * (g >> 1) + 2 * tq + (g & 1);
+
+#pragma unroll 1
+  for (int i = 0; i < my_tiles; ++i) {
+    const int tile = t_begin + i * kFastWarps;
+    cp_async_wait<kFastStages - 2>();
+    __syncwarp();  // the tile has landed for every lane; every lane is done with the stage refilled below
+    if (i + kFastStages - 1 < my_tiles)
+      issue_fast_tile(ring[(i + kFastStages - 1) % kFastStages], p, req, ctx,
+                      tile + (kFastStages - 1) * kFastWarps, lane);
+    cp_async_commit();
+    const FastStage& st = ring[i % kFastStages];
+
+    float part[2][8];  // [token][2 n + column parity]: this lane's rows summed
+    uint32_t nan_mask[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const uint8_t* kp = &st.keys[(n * 8 + g) * kKeyStride + 32 * tq];
+      const uint4 a = *reinterpret_cast<const uint4*>(kp);
+      const uint4 b = *reinterpret_cast<const uint4*>(kp + 16);
+      const uint32_t kb[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      bool nan = false;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) nan = nan || has_e4m3_nan(kb[j]);
+      nan_mask[n] = __ballot_sync(0xFFFFFFFFu, nan);  // bits 4c .. 4c+3: key column c
+      float acc[4][4] = {};
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        if (mt < rg.m_tiles)
+#pragma unroll
+          for (int s = 0; s < 4; ++s) mma_e4m3(acc[mt], qa[mt][s], kb[2 * s], kb[2 * s + 1]);
+      // acc[mt][e]: row 16 mt + g + 8 (e >> 1), key 8 n + 2 tq + (e & 1).
+#pragma unroll
+      for (int e = 0; e < 2; ++e) part[0][2 * n + e] = part[1][2 * n + e] = 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float term = wr[mt][e >> 1] * fmaxf(acc[mt][e], 0.0f);
+          if (mt * 16 >= p.heads) {
+            part[1][2 * n + (e & 1)] += term;
+          } else {
+            part[0][2 * n + (e & 1)] += term;
+          }
+        }
+    }
+
+    // Butterfly over the 8 lanes of a key column (lane bits 4, 3, 2 = g bits 2, 1, 0): each step keeps half of
+    // the values and adds the partner's copy of them; lane g ends with value g.
+    float sum[2];
+#pragma unroll
+    for (int tl = 0; tl < 2; ++tl) {
+      float x4[4], x2[2];
+      const bool b2 = g & 4, b1 = g & 2, b0 = g & 1;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        x4[j] = (b2 ? part[tl][4 + j] : part[tl][j]) +
+                __shfl_xor_sync(0xFFFFFFFFu, b2 ? part[tl][j] : part[tl][4 + j], 16);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        x2[j] = (b1 ? x4[2 + j] : x4[j]) + __shfl_xor_sync(0xFFFFFFFFu, b1 ? x4[j] : x4[2 + j], 8);
+      sum[tl] = (b0 ? x2[1] : x2[0]) + __shfl_xor_sync(0xFFFFFFFFu, b0 ? x2[0] : x2[1], 4);
+    }
+
+    const int n = g >> 1, column = my_key & 7;
+    const uint32_t mask = n == 0 ? nan_mask[0] : n == 1 ? nan_mask[1] : n == 2 ? nan_mask[2] : nan_mask[3];
+    const bool key_nan = (mask >> (4 * column)) & 0xFu;
+    const int pos = tile * kWarpTileKeys + my_key;
+    const float scale = st.scale[my_key];
+    if (pos < ctx) {
+#pragma unroll
+      for (int tl = 0; tl < 2; ++tl) {
+        if (tl >= rg.tokens) break;
+        float score = scale * sum[tl];
+        if (key_nan || qnan[tl]) score = __uint_as_float(0x7FC00000u);
+        if (pos > token_pos0 + tl) score = -INFINITY;
+        p.scores[(int64_t{req} * p.n_q + rg.token0 + tl) * p.stride + pos] = score;
       }
     }
-    __syncthreads();
   }
 }
 
@@ -368,25 +600,43 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
   if (queries.batch == 0 || max_ctx_len == 0) return;
   require(queries.codes && queries.weights && block_table.pages && ctx_lens && scores,
           "index_scores_decode: a device pointer is missing");
+  require(int64_t{queries.batch} <= 65535, "index_scores_decode: at most 65535 requests per call");
 
   ScoreParams p{queries.codes, queries.weights, queries.n_q, queries.heads, index_pages, block_table,
-                ctx_lens,      max_ctx_len,     scores,        score_stride};
-  const int row_groups = (queries.n_q * queries.heads + kRows - 1) / kRows;
-  const int tiles = (max_ctx_len + kTileKeys - 1) / kTileKeys;
-  const int ctas_per_request = std::max(1, 8 * device_sm_count() / (queries.batch * row_groups));
-  const dim3 grid(std::min(tiles, ctas_per_request), queries.batch, row_groups);
+                ctx_lens,      max_ctx_len,     scores,        score_stride,  0};
+  const int groups = (queries.n_q * queries.heads + kGroupRows - 1) / kGroupRows;
+  const int units = queries.batch * groups;
+  // One wave of CTAs (their resident count per multiprocessor: 2 exact, 3 fast), each a contiguous key range.
   if (mode == IndexScoreMode::exact) {
-    const size_t bytes = sizeof(ScoreSmem<true>);
-    check(cudaFuncSetAttribute(index_scores_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(bytes)),
-          "cudaFuncSetAttribute(index_scores_kernel<exact>)");
-    index_scores_kernel<true><<<grid, kThreads, bytes, stream>>>(p);
+    const int tiles = (max_ctx_len + kTileKeys - 1) / kTileKeys;
+    const int splits = std::clamp(2 * device_sm_count() / units, 1, tiles);
+    p.tiles_per_split = (tiles + splits - 1) / splits;
+    const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
+    static DeviceCache attribute_set;
+    attribute_set.get([] {
+      check(cudaFuncSetAttribute(index_scores_exact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(sizeof(ExactSmem))),
+            "cudaFuncSetAttribute(index_scores_exact_kernel)");
+      check(cudaFuncSetAttribute(index_scores_exact_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+            "cudaFuncSetAttribute(index_scores_exact_kernel carveout)");
+      return 1;
+    });
+    index_scores_exact_kernel<<<grid, kExactThreads, sizeof(ExactSmem), stream>>>(p);
   } else {
-    const size_t bytes = sizeof(ScoreSmem<false>);
-    check(cudaFuncSetAttribute(index_scores_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(bytes)),
-          "cudaFuncSetAttribute(index_scores_kernel<fast_fp8>)");
-    index_scores_kernel<false><<<grid, kThreads, bytes, stream>>>(p);
+    const int tiles = (max_ctx_len + kWarpTileKeys - 1) / kWarpTileKeys;
+    const int splits = std::clamp(3 * device_sm_count() / units, 1, (tiles + kFastWarps - 1) / kFastWarps);
+    p.tiles_per_split = (tiles + splits - 1) / splits;
+    const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
+    static DeviceCache attribute_set;
+    attribute_set.get([] {
+      check(cudaFuncSetAttribute(index_scores_fast_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(sizeof(FastSmem))),
+            "cudaFuncSetAttribute(index_scores_fast_kernel)");
+      check(cudaFuncSetAttribute(index_scores_fast_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+            "cudaFuncSetAttribute(index_scores_fast_kernel carveout)");
+      return 1;
+    });
+    index_scores_fast_kernel<<<grid, kFastThreads, sizeof(FastSmem), stream>>>(p);
   }
   check(cudaGetLastError(), "index_scores_decode kernel launch");
 }

@@ -39,7 +39,8 @@ struct MlaSmem {
   alignas(16) uint16_t kv[kTile][kRowElems];
   alignas(16) uint8_t stage[2][kTile][kLatentDim];
   float s_part[2][4][4][4][32];  // [half][head tile][n8 tile][register][lane]
-  int valid[2][kTile];
+  // Per tile, in slot (tile - first tile) % 3: the latent row of each index (nullptr when the index is skipped).
+  const uint8_t* src[3][kTile];
 };
 
 struct MlaParams {
@@ -87,20 +88,38 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
   const int tiles = (p.k + kTile - 1) / kTile;
   const int t_begin = split * p.tiles_per_split, t_end = min(tiles, t_begin + p.tiles_per_split);
 
+  // Row addresses: warp 0 looks up tile t + 2's (index, then page) during tile t, so that the gather of a tile
+  // issues its 16-byte copies from shared memory without a dependent global load per copy.
   const int32_t* row_indices = p.indices + int64_t{row} * p.k;
-  auto issue_tile = [&](int t, int buf) {
+  auto index_of = [&](int t) {
+    const int j = t * kTile + lane;
+    return t < t_end && j < p.k ? row_indices[j] : -1;
+  };
+  auto page_of = [&](int pos) {
+    return pos >= 0 && pos < ctx ? p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size] : 0;
+  };
+  auto row_of = [&](int pos, int page) -> const uint8_t* {
+    return pos >= 0 && pos < ctx ? p.pages.base + int64_t{page} * p.pages.page_stride +
+                                       int64_t{pos & (p.pages.page_size - 1)} * kLatentDim
+                                 : nullptr;
+  };
+  auto issue_tile = [&](int slot, int buf) {
     for (int u = tid; u < kTile * kChunks; u += kThreads) {
       const int key = u / kChunks, chunk = u % kChunks;
-      const int j = t * kTile + key;
-      const int pos = j < p.k ? row_indices[j] : -1;
-      const bool ok = pos >= 0 && pos < ctx;
-      const uint8_t* src = ok ? page_row(p.pages, p.bt, req, pos, kLatentDim) + chunk * 16 : p.pages.base;
-      cp_async_16(&sm.stage[buf][key][chunk * 16], src, ok ? 16 : 0);
-      if (chunk == 0) sm.valid[buf][key] = ok;
+      const uint8_t* src = sm.src[slot][key];
+      cp_async_16(&sm.stage[buf][key][chunk * 16], src ? src + chunk * 16 : p.pages.base, src ? 16 : 0);
     }
     cp_async_commit();
   };
-  if (t_begin < t_end) issue_tile(t_begin, 0);
+  if (warp == 0) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int pos = index_of(t_begin + t);
+      sm.src[t][lane] = row_of(pos, page_of(pos));
+    }
+  }
+  __syncthreads();
+  issue_tile(0, 0);
 
   const uint4* q_src = reinterpret_cast<const uint4*>(p.q + (int64_t{row} * p.heads + head0) * kLatentDim);
   for (int u = tid; u < kHeadsPerCta * (kLatentDim / 8); u += kThreads) {
@@ -116,9 +135,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
 
 #pragma unroll 1
   for (int t = t_begin; t < t_end; ++t) {
-    const int buf = (t - t_begin) & 1;
+    const int buf = (t - t_begin) & 1, slot = (t - t_begin) % 3;
+    const int next_pos = warp == 0 ? index_of(t + 2) : -1;
     if (t + 1 < t_end) {
-      issue_tile(t + 1, buf ^ 1);
+      issue_tile((slot + 1) % 3, buf ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -138,6 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
       dst[0] = make_uint4(b[0], b[1], b[2], b[3]);
       dst[1] = make_uint4(b[4], b[5], b[6], b[7]);
     }
+    const int next_page = page_of(next_pos);
     __syncthreads();
 
     float s[4][4];
@@ -172,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float dot = sm.s_part[0][mt][n][e][lane] + sm.s_part[1][mt][n][e][lane];
-          s[n][e] = sm.valid[buf][n * 8 + 2 * tq + (e & 1)] ? dot * p.score_log2_scale : -INFINITY;
+          s[n][e] = sm.src[slot][n * 8 + 2 * tq + (e & 1)] ? dot * p.score_log2_scale : -INFINITY;
           row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
         }
       float alpha[2], m_use[2];
@@ -219,6 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
         }
       }
     }
+    // Slot (slot + 2) % 3 held tile t - 1, whose copies were issued and whose scores are done.
+    if (warp == 0) sm.src[(slot + 2) % 3][lane] = row_of(next_pos, next_page);
     __syncthreads();
   }
 
@@ -252,41 +275,37 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
   }
 }
 
-// One warp per (row, head): merges the splits' normalised outputs by their lse.
-__global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const float* __restrict__ part_o,
-                                                                 const float* __restrict__ part_lse, int splits,
-                                                                 int64_t row_heads, float* __restrict__ out,
-                                                                 float* __restrict__ lse) {
-  const int64_t hq = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x & 31;
-  if (hq >= row_heads) return;
+// One CTA per (row, head): merges the splits' normalised outputs by their lse, in split order. Thread t owns value
+// columns 4t .. 4t+3; the split loop is unrolled so that several splits' loads are in flight at once.
+constexpr int kCombineThreads = kLatentValueDim / 4;
+
+__global__ void __launch_bounds__(kCombineThreads) sparse_mla_combine_kernel(const float* __restrict__ part_o,
+                                                                            const float* __restrict__ part_lse,
+                                                                            int splits, float* __restrict__ out,
+                                                                            float* __restrict__ lse) {
+  const int64_t hq = blockIdx.x;
+  const int tid = threadIdx.x;
+  const float* row_lse = part_lse + hq * splits;
   float m = -INFINITY;
-  for (int s = lane; s < splits; s += 32) m = fmaxf(m, part_lse[hq * splits + s]);
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  float acc[16] = {};
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, row_lse[s]);
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float wsum = 0.0f;
+  const float4* src = reinterpret_cast<const float4*>(part_o + hq * splits * kLatentValueDim) + tid;
+#pragma unroll 8
   for (int s = 0; s < splits; ++s) {
-    const float l = part_lse[hq * splits + s];
-    const float w = m == -INFINITY ? 0.0f : expf(l - m);
-    if (w == 0.0f) continue;
+    // An empty split stored lse = -inf and a zero output: its weight is 0.
+    const float w = m == -INFINITY ? 0.0f : expf(row_lse[s] - m);
+    const float4 v = src[static_cast<int64_t>(s) * (kLatentValueDim / 4)];
     wsum += w;
-    const float4* src = reinterpret_cast<const float4*>(part_o + (hq * splits + s) * kLatentValueDim);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 v = src[lane + 32 * i];
-      acc[4 * i] += w * v.x;
-      acc[4 * i + 1] += w * v.y;
-      acc[4 * i + 2] += w * v.z;
-      acc[4 * i + 3] += w * v.w;
-    }
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
   }
   const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-  float4* dst = reinterpret_cast<float4*>(out + hq * kLatentValueDim);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    dst[lane + 32 * i] = make_float4(acc[4 * i] * inv, acc[4 * i + 1] * inv, acc[4 * i + 2] * inv, acc[4 * i + 3] * inv);
-  if (lane == 0) lse[hq] = wsum > 0.0f ? m + logf(wsum) : -INFINITY;
+  reinterpret_cast<float4*>(out + hq * kLatentValueDim)[tid] =
+      make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  if (tid == 0) lse[hq] = wsum > 0.0f ? m + logf(wsum) : -INFINITY;
 }
 
 struct Split {
@@ -369,9 +388,8 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   sparse_mla_decode_kernel<<<grid, kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "sparse_mla_decode kernel launch");
   if (sp.splits > 1) {
-    const int64_t blocks = (row_heads * 32 + 127) / 128;
-    sparse_mla_combine_kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(p.part_o, p.part_lse, sp.splits,
-                                                                                  row_heads, a.out, a.lse);
+    sparse_mla_combine_kernel<<<static_cast<unsigned>(row_heads), kCombineThreads, 0, stream>>>(
+        p.part_o, p.part_lse, sp.splits, a.out, a.lse);
     check(cudaGetLastError(), "sparse_mla_decode combine kernel launch");
   }
 }

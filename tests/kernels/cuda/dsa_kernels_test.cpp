@@ -313,6 +313,18 @@ std::vector<float> gpu_scores(const IndexProblem& p, const DeviceIndexCache& c, 
 
 bool same_score(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
 
+// A top-k workspace as topk_decode's contract wants it: zero-filled once when allocated.
+DeviceBuffer<uint8_t> topk_workspace(size_t bytes) {
+  DeviceBuffer<uint8_t> ws(bytes);
+  if (bytes > 0) KESTREL_CUDA_CHECK(cudaMemset(ws.get(), 0, bytes));
+  return ws;
+}
+
+bool all_zero(const DeviceBuffer<uint8_t>& d) {
+  const std::vector<uint8_t> h = to_host(d);
+  return std::all_of(h.begin(), h.end(), [](uint8_t b) { return b == 0; });
+}
+
 // The first k of cpu::topk_indices as a sorted set, then -1 padding: the GPU's output order.
 std::vector<int32_t> cpu_topk_sorted(const float* scores, int n, int k) {
   std::vector<int32_t> out(static_cast<size_t>(k));
@@ -341,7 +353,10 @@ TEST_P(DsaIndexScores, ExactScoresAndTopkMatchCpuBitForBit) {
   const int k = 2048;
   DeviceBuffer<float> scores_d = to_device(got);
   DeviceBuffer<int32_t> topk_d = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()) * k, 0x7BADBEEF));
-  topk_decode(scores_d.get(), stride, p.batch, p.n_q, c.ctx_lens.get(), p.max_ctx(), k, topk_d.get(), nullptr);
+  const size_t ws_bytes = topk_decode_workspace_bytes(p.batch, p.n_q, p.max_ctx(), k);
+  DeviceBuffer<uint8_t> ws = topk_workspace(ws_bytes);
+  topk_decode(scores_d.get(), stride, p.batch, p.n_q, c.ctx_lens.get(), p.max_ctx(), k, topk_d.get(), ws.get(),
+              ws_bytes, nullptr);
   sync();
   const std::vector<int32_t> topk = to_host(topk_d);
 
@@ -408,7 +423,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaIndexScores,
                          ::testing::Values(ScoreCase{64, 1, 64, {1, 63, 64, 65, 3000}},
                                            ScoreCase{32, 1, 16, {130, 2049, 4100}},
                                            ScoreCase{64, 2, 64, {2, 2047, 5000}},
-                                           ScoreCase{32, 3, 32, {3, 700, 2050, 4500}}));
+                                           ScoreCase{32, 3, 32, {3, 700, 2050, 4500}},
+                                           // One long request: many tiles per CTA and per warp.
+                                           ScoreCase{64, 1, 64, {45000, 33}}));
 
 // Top-k on synthetic rows: heavy ties, -0 and +0, -inf, NaN, +inf, rows shorter than k and rows far longer.
 TEST(DsaTopk, MatchesCpuRuleOnHardRows) {
@@ -441,7 +458,9 @@ TEST(DsaTopk, MatchesCpuRuleOnHardRows) {
   const DeviceBuffer<float> scores_d = to_device(scores);
   const DeviceBuffer<int32_t> ctx_d = to_device(std::vector<int32_t>(lengths.begin(), lengths.end()));
   DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(static_cast<size_t>(rows) * k, 0x7BADBEEF));
-  topk_decode(scores_d.get(), stride, rows, 1, ctx_d.get(), 200000, k, out_d.get(), nullptr);
+  const size_t ws_bytes = topk_decode_workspace_bytes(rows, 1, 200000, k);
+  DeviceBuffer<uint8_t> ws = topk_workspace(ws_bytes);
+  topk_decode(scores_d.get(), stride, rows, 1, ctx_d.get(), 200000, k, out_d.get(), ws.get(), ws_bytes, nullptr);
   sync();
   const std::vector<int32_t> out = to_host(out_d);
   for (int row = 0; row < rows; ++row) {
@@ -463,13 +482,62 @@ TEST(DsaTopk, SpeculativeRowsHaveCausalLengths) {
   const DeviceBuffer<float> scores_d = to_device(scores);
   const DeviceBuffer<int32_t> ctx_d = to_device(ctx);
   DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(scores.size() / stride * k, 0x7BADBEEF));
-  topk_decode(scores_d.get(), stride, 2, n_q, ctx_d.get(), 40, k, out_d.get(), nullptr);
+  const size_t ws_bytes = topk_decode_workspace_bytes(2, n_q, 40, k);
+  DeviceBuffer<uint8_t> ws = topk_workspace(ws_bytes);
+  topk_decode(scores_d.get(), stride, 2, n_q, ctx_d.get(), 40, k, out_d.get(), ws.get(), ws_bytes, nullptr);
   sync();
   const std::vector<int32_t> out = to_host(out_d);
   for (int row = 0; row < 2 * n_q; ++row) {
     const int n = ctx[static_cast<size_t>(row / n_q)] - n_q + row % n_q + 1;  // positions 0 .. query position
     const std::vector<int32_t> want = cpu_topk_sorted(scores.data() + row * stride, n, k);
     EXPECT_TRUE(std::equal(want.begin(), want.end(), out.begin() + row * k)) << "row " << row;
+  }
+}
+
+// More rows than fit on the device at once (rows are taken in rounds), several k, rows of every length up to the
+// stride; one workspace for every call, which each call must leave zero-filled.
+TEST(DsaTopk, ManyRowsInRoundsAndWorkspaceReuse) {
+  REQUIRE_GPU();
+  std::mt19937 rng(8086);
+  struct Call {
+    int rows, max_ctx, k;
+  };
+  const Call calls[] = {{600, 20000, 2048}, {7, 70000, 100}, {600, 20000, 1}, {3, 5000, 4096}};
+  size_t ws_bytes = 0;
+  for (const Call& c : calls) ws_bytes = std::max(ws_bytes, topk_decode_workspace_bytes(c.rows, 1, c.max_ctx, c.k));
+  DeviceBuffer<uint8_t> ws = topk_workspace(ws_bytes);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (const Call& c : calls) {
+    SCOPED_TRACE("rows " + std::to_string(c.rows) + ", max_ctx " + std::to_string(c.max_ctx) + ", k " +
+                 std::to_string(c.k));
+    std::vector<int32_t> lengths(static_cast<size_t>(c.rows));
+    for (int32_t& l : lengths) l = 1 + static_cast<int32_t>(rng() % static_cast<uint32_t>(c.max_ctx));
+    lengths[0] = c.max_ctx;
+    const int64_t stride = c.max_ctx;
+    std::vector<float> scores(static_cast<size_t>(c.rows) * stride);
+    for (int row = 0; row < c.rows; ++row)
+      for (int j = 0; j < lengths[row]; ++j) {
+        // Mostly a few tied values (ties that cross chunk boundaries), some distinct ones, some unselectable.
+        const uint32_t r = rng() % 8;
+        float v = r < 4 ? static_cast<float>(r) : n(rng);
+        if (r == 7) v = rng() % 2 ? -kInf : std::numeric_limits<float>::quiet_NaN();
+        scores[static_cast<size_t>(row) * stride + j] = v;
+      }
+    const DeviceBuffer<float> scores_d = to_device(scores);
+    const DeviceBuffer<int32_t> ctx_d = to_device(lengths);
+    DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(static_cast<size_t>(c.rows) * c.k, 0x7BADBEEF));
+    topk_decode(scores_d.get(), stride, c.rows, 1, ctx_d.get(), c.max_ctx, c.k, out_d.get(), ws.get(), ws_bytes,
+                nullptr);
+    sync();
+    const std::vector<int32_t> out = to_host(out_d);
+    int bad_rows = 0, first_bad = -1;
+    for (int row = 0; row < c.rows; ++row) {
+      const std::vector<int32_t> want = cpu_topk_sorted(scores.data() + row * stride, lengths[row], c.k);
+      if (!std::equal(want.begin(), want.end(), out.begin() + static_cast<int64_t>(row) * c.k) && bad_rows++ == 0)
+        first_bad = row;
+    }
+    EXPECT_EQ(bad_rows, 0) << "first differing row " << first_bad;
+    EXPECT_TRUE(all_zero(ws)) << "the workspace was not left zero-filled";
   }
 }
 
@@ -598,7 +666,7 @@ TEST(DsaArguments, BadShapesThrow) {
   EXPECT_THROW(index_scores_decode(q, pages, {}, nullptr, 10, IndexScoreMode::exact, nullptr, 10, nullptr), Error);
   const Pages odd{reinterpret_cast<uint8_t*>(16), 132 * 48, 48};
   EXPECT_THROW(index_key_write(nullptr, KeyDtype::f32, 1, false, nullptr, odd, nullptr), Error);
-  EXPECT_THROW(topk_decode(nullptr, 5, 1, 1, nullptr, 10, 8, nullptr, nullptr), Error);
+  EXPECT_THROW(topk_decode(nullptr, 5, 1, 1, nullptr, 10, 8, nullptr, nullptr, 0, nullptr), Error);
 }
 
 }  // namespace
