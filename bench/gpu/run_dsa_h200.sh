@@ -92,18 +92,18 @@ bench_rc=${PIPESTATUS[0]}
 # Out-of-bounds and race checks on the smaller cases (informational: never fails the run).
 SAN=$(command -v compute-sanitizer || ls "$CUDA_HOME"/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
-  timeout 120 "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
+  timeout 75 "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
     --gtest_filter='DsaIndexKeyWriter.*:DsaTopk.Speculative*:*DsaIndexScores*/0:*DsaSparseMla*/4' >"$LOGS/memcheck.log" 2>&1
   echo "memcheck exit $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
   if [ "${KESTREL_DSA_RACECHECK:-0}" = 1 ]; then
-    timeout 90 "$SAN" --tool racecheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
+    timeout 45 "$SAN" --tool racecheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
       --gtest_filter='DsaTopk.Speculative*:*DsaIndexScores*/1:*DsaSparseMla*/4' >"$LOGS/racecheck.log" 2>&1
     echo "racecheck exit $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1))"
   fi
 fi
 NCU=$(command -v ncu || ls "$CUDA_HOME"/bin/ncu 2>/dev/null | head -1)
 if [ "${KESTREL_DSA_PROFILE:-0}" = 1 ] && [ -n "$NCU" ]; then
-  timeout 150 "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+  timeout 90 "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section Occupancy -k regex:'index_scores|topk_kernel|sparse_mla' \
     "$BUILD/dsa_decode_bench" --profile >"$LOGS/ncu.txt" 2>&1
   echo "ncu exit $?"
