@@ -24,7 +24,8 @@ def model_dir(tmp_path_factory):
     if res.returncode != 0:
         pytest.fail(f"make-model failed:\n{res.stderr}")
     for f in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json"):
-        assert (d / f).exists(), f"make-model wrote no {f}"
+        assert (d / f).exists(), (f"make-model wrote no {f}: it must write the trained tokenizer "
+                                   "(text::write_trained_tokenizer, see docs/text.md)")
     return d
 
 
