@@ -34,7 +34,7 @@ void set_layers(ModelConfig& c, const std::vector<int>& full_one_based) {
 
 ModelConfig tiny_kimi(Arch arch) {
   ModelConfig c = kimi_base(arch);
-  c.vocab_size = 512;
+  c.vocab_size = 4096;
   c.hidden_size = 64;
   c.num_hidden_layers = 6;
   set_layers(c, {3, 6});
@@ -70,7 +70,7 @@ ModelConfig tiny_deepseek() {
   ModelConfig c;
   c.arch = Arch::deepseek_v32;
   c.architecture = "DeepseekV32ForCausalLM";
-  c.vocab_size = 512;
+  c.vocab_size = 4096;
   c.hidden_size = 64;
   c.num_hidden_layers = 3;
   c.layer_kinds.assign(3, LayerKind::mla);
@@ -501,7 +501,7 @@ void make_model(const Preset& p, const std::string& out, uint64_t seed) {
     f << cfg.to_json().dump(2) << "\n";
   }
   if (!p.has_weights) return;
-  write_tokenizer_files(out, cfg);
+  write_model_tokenizer(out, cfg);
   write_checkpoint(out, build_weights(cfg, seed), int64_t{2} << 30);
 }
 

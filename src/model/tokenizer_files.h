@@ -1,6 +1,6 @@
-// Tokenizer files that make-model writes next to the weights: a byte-level tokenizer.json (every byte one token,
-// then the Kimi special tokens), tokenizer_config.json with the Kimi chat template. The text module trains a real
-// BPE on top of this layout; the ids below stay fixed.
+// The tokenizer layout of the models make-model writes: the Kimi special tokens at ids 256.. (after the 256 byte
+// tokens) and the Kimi chat template of SERVING.md. The files themselves are trained and written by the text
+// module (text/bpe_trainer.h).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -18,6 +18,8 @@ const std::vector<std::string>& kimi_special_tokens();
 // The chat template of SERVING.md (Jinja).
 const std::string& kimi_chat_template();
 
-void write_tokenizer_files(const std::string& dir, const ModelConfig& cfg);
+// Trains make-model's byte-level BPE (text module) for cfg.vocab_size ids and writes tokenizer.json,
+// tiktoken.model and tokenizer_config.json into `dir`.
+void write_model_tokenizer(const std::string& dir, const ModelConfig& cfg);
 
 }  // namespace kestrel
