@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -89,6 +90,7 @@ std::string vocab_string_bytes(std::string_view s, bool* all_mapped) {
 
 struct AddedToken {
   std::string content;
+  std::string pattern;  // what is searched for: the content, normalized for `normalized` tokens
   int32_t id = -1;
   bool special = false, lstrip = false, rstrip = false, normalized = false;
 };
@@ -99,10 +101,10 @@ class AddedMatcher {
   void build(const std::vector<const AddedToken*>& tokens) {
     tokens_ = tokens;
     std::stable_sort(tokens_.begin(), tokens_.end(),
-                     [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
+                     [](const AddedToken* a, const AddedToken* b) { return a->pattern.size() > b->pattern.size(); });
     for (auto& v : first_) v.clear();
     for (const AddedToken* t : tokens_)
-      if (!t->content.empty()) first_[static_cast<unsigned char>(t->content[0])].push_back(t);
+      if (!t->pattern.empty()) first_[static_cast<unsigned char>(t->pattern[0])].push_back(t);
   }
   bool empty() const { return tokens_.empty(); }
 
@@ -110,9 +112,9 @@ class AddedMatcher {
   const AddedToken* find(std::string_view s, size_t from, size_t& begin, size_t& end) const {
     for (size_t i = from; i < s.size(); ++i) {
       for (const AddedToken* t : first_[static_cast<unsigned char>(s[i])]) {
-        if (s.compare(i, t->content.size(), t->content) == 0) {
+        if (s.compare(i, t->pattern.size(), t->pattern) == 0) {
           begin = i;
-          end = i + t->content.size();
+          end = i + t->pattern.size();
           return t;
         }
       }
@@ -251,6 +253,8 @@ struct Tokenizer::Impl {
   std::vector<int32_t> prefix_ids, suffix_ids;
   std::unique_ptr<Regex> tiktoken_pattern;
   std::unordered_map<std::string, int32_t> by_text;
+  // Ids whose decoded bytes differ from their vocabulary bytes (normalized added tokens).
+  std::unordered_map<int32_t, std::string> decode_bytes;
 
   void encode_ordinary(std::string_view text, std::vector<int32_t>& out, PieceCache* cache) const;
   void encode_hf_segment(std::string_view text, bool parse_special, std::vector<int32_t>& out,
@@ -423,6 +427,10 @@ bool Tokenizer::is_special(int32_t id) const { return is_known(id) && impl_->spe
 
 const std::string& Tokenizer::token_bytes(int32_t id) const {
   if (!is_known(id)) fail("token id {} is not in the vocabulary (ids 0..{})", id, id_count() - 1);
+  if (!impl_->decode_bytes.empty()) {
+    const auto it = impl_->decode_bytes.find(id);
+    if (it != impl_->decode_bytes.end()) return it->second;
+  }
   return impl_->bpe.bytes_of(id);
 }
 
@@ -665,8 +673,22 @@ Tokenizer Tokenizer::from_hf_json(std::string_view tokenizer_json) {
   impl->bpe.enable_whole_piece_lookup(model.value("ignore_merges", false) ? mapped_ids
                                                                           : impl->bpe.self_reaching(mapped_ids));
 
+  // As in `tokenizers`, a normalized token is searched for in its normalized form in normalized text, and that
+  // form is also its token string: what it decodes to, and what skip-special decoding compares with the special
+  // tokens' contents.
   std::vector<const AddedToken*> raw, normalized;
-  for (const AddedToken& t : impl->added) (t.normalized ? normalized : raw).push_back(&t);
+  std::unordered_set<std::string> special_contents;
+  for (const AddedToken& t : impl->added)
+    if (t.special) special_contents.insert(t.content);
+  for (AddedToken& t : impl->added) {
+    t.pattern = t.normalized ? impl->normalize(t.content) : t.content;
+    (t.normalized ? normalized : raw).push_back(&t);
+    if (t.pattern != t.content) {
+      bool all_mapped = false;
+      impl->decode_bytes[t.id] = vocab_string_bytes(t.pattern, &all_mapped);
+      impl->special[static_cast<size_t>(t.id)] = special_contents.count(t.pattern) > 0;
+    }
+  }
   impl->raw_matcher.build(raw);
   impl->normalized_matcher.build(normalized);
   return Tokenizer(std::move(impl));
@@ -710,6 +732,7 @@ Tokenizer Tokenizer::from_tiktoken(std::string_view rank_file, std::string_view 
         fail("tokenizer_config.json: added_tokens_decoder key '{}' is not an id", k);
       }
       t.content = v.at("content").get<std::string>();
+      t.pattern = t.content;
       t.special = true;
       impl->added.push_back(t);
       max_id = std::max(max_id, t.id);

@@ -92,6 +92,9 @@ def _variants(base):
         {"type": "Replace", "pattern": {"Regex": r"\d{4,}"}, "content": "#"},
         {"type": "Strip", "strip_left": False, "strip_right": True},
         {"type": "Prepend", "prepend": "▁"}]}
+    for t in v["added_tokens"]:
+        if t["content"] in ("<think>", "</think>"):  # matched after normalization
+            t["normalized"] = True
     out["normalized"] = v
     v = copy.deepcopy(base)
     v["model"]["ignore_merges"] = True
