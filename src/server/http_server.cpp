@@ -1,5 +1,8 @@
 #include "server/http_server.h"
 
+#include <sys/socket.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <exception>
@@ -43,7 +46,8 @@ awaitable<void> reject_too_large(beast::tcp_stream& stream, uint64_t limit, bool
                            "application/json", false, 11);
   stream.expires_after(kWriteTimeout);
   co_await http::async_write(stream, res, net::redirect_error(use_awaitable, ec));
-  if (ec || client_waits_for_continue) co_return;
+  // Beast reports end_of_stream after writing a "Connection: close" message: that is success.
+  if ((ec && ec != http::error::end_of_stream) || client_waits_for_continue) co_return;
   stream.expires_after(kDrainTimeout);
   std::vector<char> sink(1 << 16);
   uint64_t drained = 0;
@@ -91,7 +95,7 @@ awaitable<void> HttpExchange::reply(int status, std::string body, const char* co
   stream_.expires_after(kWriteTimeout);
   co_await http::async_write(stream_, res, net::redirect_error(use_awaitable, ec));
   stream_.expires_never();
-  if (ec) shared_->gone = true;
+  if (ec && ec != http::error::end_of_stream) shared_->gone = true;
 }
 
 awaitable<bool> HttpExchange::begin_events() {
@@ -150,18 +154,34 @@ awaitable<void> HttpExchange::wait() {
   shared_->notified = false;
 }
 
+namespace {
+
+// Waits for the socket to turn readable and then peeks: end of stream or an error means the client closed the
+// connection; no byte (a spurious wake-up) waits again; a byte (a pipelined next request) ends the watch.
+template <typename Shared>
+void arm_disconnect_watch(const std::shared_ptr<Shared>& s, tcp::socket& sock) {
+  sock.async_wait(tcp::socket::wait_read, [s, &sock](beast::error_code ec) {
+    if (ec == net::error::operation_aborted) return;  // the exchange ended (the socket may be gone)
+    if (!ec) {
+      char byte = 0;
+      const ssize_t n = ::recv(sock.native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n > 0) return;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        arm_disconnect_watch(s, sock);
+        return;
+      }
+    }
+    s->gone = true;
+    s->signal.cancel();
+  });
+}
+
+}  // namespace
+
 void HttpExchange::watch_disconnect() {
   if (shared_->watching) return;
   shared_->watching = true;
-  // Readable with nothing to read means the peer closed; a pipelined next request is data and ends the watch.
-  stream_.socket().async_wait(tcp::socket::wait_read, [s = shared_, &sock = stream_.socket()](beast::error_code ec) {
-    if (ec == net::error::operation_aborted) return;  // the exchange ended (the socket may be gone)
-    beast::error_code e2;
-    if (ec || sock.available(e2) == 0 || e2) {
-      s->gone = true;
-      s->signal.cancel();
-    }
-  });
+  arm_disconnect_watch(shared_, stream_.socket());
 }
 
 bool HttpExchange::client_gone() const { return shared_->gone; }
@@ -237,6 +257,11 @@ awaitable<void> HttpServer::session(tcp::socket socket) {
     parser.body_limit(opts_.max_body_bytes);
     stream.expires_after(kIdleTimeout);
     co_await http::async_read_header(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
+    if (ec == http::error::body_limit) {  // the Content-Length is over the limit
+      co_await reject_too_large(stream, opts_.max_body_bytes,
+                                beast::iequals(parser.get()[http::field::expect], "100-continue"));
+      break;
+    }
     if (ec) {
       if (ec != http::error::end_of_stream && ec != beast::error::timeout && ec != net::error::eof &&
           ec != net::error::connection_reset && ec != net::error::operation_aborted) {
