@@ -791,7 +791,7 @@ struct SetNode : Node {
   ExprPtr value;
   Body block;  // {% set x %}...{% endset %}
   std::vector<std::unique_ptr<FilterExpr>> block_filters;
-  Flow exec(Ctx& c, std::string& out) const override {
+  Flow exec(Ctx& c, std::string&) const override {
     at_line(line, [&] {
       Value v;
       if (value) {
@@ -814,7 +814,6 @@ struct SetNode : Node {
         bind(*c.frame, target, v);
       }
     });
-    (void)out;
     return Flow::normal;
   }
 };
