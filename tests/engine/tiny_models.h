@@ -17,6 +17,10 @@
 #include "model/make_model.h"
 #include "model/model.h"
 
+namespace kestrel {
+inline void PrintTo(Arch a, std::ostream* os) { *os << arch_name(a); }
+}  // namespace kestrel
+
 namespace kestrel::test {
 
 // The engine tests run single-threaded: CI runs several test binaries at once on two cores, where OpenMP threads
@@ -27,10 +31,22 @@ inline const bool kSingleThreaded = [] {
   return true;
 }();
 
+// The checkpoints this process made, removed when it exits.
+struct TempDirs {
+  std::vector<std::string> dirs;
+  ~TempDirs() {
+    for (const std::string& d : dirs) std::filesystem::remove_all(d);
+  }
+};
+
 inline std::string tiny_dir(Arch arch) {
+  static TempDirs made;
   const std::string dir = std::filesystem::temp_directory_path() /
                           ("kestrel_engine_test_" + std::string(arch_name(arch)) + "_" + std::to_string(::getpid()));
-  if (!std::filesystem::exists(dir + "/config.json")) make_model(find_preset(arch, "tiny"), dir, 7);
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    make_model(find_preset(arch, "tiny"), dir, 7);
+    made.dirs.push_back(dir);
+  }
   return dir;
 }
 
