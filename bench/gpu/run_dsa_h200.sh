@@ -7,7 +7,8 @@
 # Usage, from anywhere: bench/gpu/run_dsa_h200.sh [log-dir]   (default: $OUT, else ./out-gpu)
 #   --build-only as the first argument stops after linking (to check the build on a machine without a GPU).
 #   KESTREL_DSA_PROFILE=1 adds an Nsight Compute profile of one launch of each stage (ncu.txt);
-#   KESTREL_DSA_RACECHECK=1 adds a compute-sanitizer racecheck of small cases (racecheck.log).
+#   KESTREL_DSA_RACECHECK=1 adds a compute-sanitizer racecheck of small cases (racecheck.log);
+#   KESTREL_DSA_MEMCHECK_S caps the memcheck of small cases (seconds, default 75; 0 skips it).
 # Writes env.txt, build.log, sass.txt, test.log, test.xml, bench.log and memcheck.log to the log dir; exits
 # non-zero if the build, a test or the benchmark failed.
 set -uo pipefail
@@ -91,8 +92,9 @@ grep -E "^\[  (FAILED|PASSED|SKIPPED) |largest|Failure|error:|Expected|Which is|
 bench_rc=${PIPESTATUS[0]}
 # Out-of-bounds and race checks on the smaller cases (informational: never fails the run).
 SAN=$(command -v compute-sanitizer || ls "$CUDA_HOME"/bin/compute-sanitizer 2>/dev/null | head -1)
-if [ -n "$SAN" ]; then
-  timeout 75 "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
+MEMCHECK_S=${KESTREL_DSA_MEMCHECK_S:-75}
+if [ -n "$SAN" ] && [ "$MEMCHECK_S" != 0 ]; then
+  timeout "$MEMCHECK_S" "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/dsa_kernels_test" \
     --gtest_filter='DsaIndexKeyWriter.*:DsaTopk.Speculative*:*DsaIndexScores*/0:*DsaSparseMla*/4' >"$LOGS/memcheck.log" 2>&1
   echo "memcheck exit $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
   if [ "${KESTREL_DSA_RACECHECK:-0}" = 1 ]; then

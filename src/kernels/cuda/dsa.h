@@ -63,9 +63,9 @@ enum class IndexScoreMode {
   // three 7-bit limbs of the codes' integer values, nine limb products accumulated in int32, combined in int64)
   // and rounded to fp32 once; ReLU, weight, head sum in order j = 0..H_I-1 in fp32, times k_scale.
   exact,
-  // FP8 tensor cores (e4m3 x e4m3 -> fp32) on the codes themselves: one pass instead of nine, not exact. The
-  // head sum is the same. Bound (docs/dsa-kernels.md, tested): |score - exact| <= 2^-6 * k_scale *
-  // sum_j |w_j| * sum_d |q_jd k_d|.
+  // One tensor-core pass instead of nine, not exact: the codes, converted exactly to f16, on f16 tensor cores
+  // with fp32 accumulation (Hopper's mma.sync has no e4m3 form of its own), and the head sum as a tree. Bound
+  // (docs/dsa-kernels.md, tested): |score - exact| <= 2^-6 * k_scale * sum_j |w_j| * sum_d |q_jd k_d|.
   fast_fp8,
 };
 

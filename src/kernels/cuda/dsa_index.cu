@@ -202,6 +202,12 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
 }
 
+// Two e4m3 codes (low byte first) as an f16x2 word, low half first; exact (e4m3 is a subset of f16).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
+}
+
 // The A fragment words of rows g and g + 8 of 16-row tile mt of the group: bytes 32 tq .. 32 tq + 31 of each
 // row; rows past the group are zero. Returns whether a loaded word holds a NaN code; *w_lo / *w_hi get the rows'
 // weights.
@@ -406,7 +412,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) index_scores_exact_kernel(Sc
 constexpr int kFastThreads = 128;
 constexpr int kFastWarps = kFastThreads / 32;
 constexpr int kWarpTileKeys = 32;
-constexpr int kFastStages = 4;
+constexpr int kFastStages = 3;
 
 struct FastStage {
   alignas(16) uint8_t keys[kWarpTileKeys * kKeyStride];
@@ -415,6 +421,11 @@ struct FastStage {
 
 struct FastSmem {
   FastStage stage[kFastWarps][kFastStages];  // one private ring per warp
+  // The group's query codes in fragment order: [16-row tile][k16-step s][lane] = word s of the lane's 32 bytes of
+  // rows g and g + 8; every warp reads all of them.
+  uint2 q[4][8][32];
+  float w[kGroupRows];
+  int qnan[kFastWarps];  // per 16-row tile: a NaN code among its rows
 };
 
 // Copies warp tile `tile` (32 keys from position 32 tile) into `st`; positions from ctx on are zero-filled.
@@ -451,7 +462,6 @@ __global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(Scor
   const int n_tiles = (ctx + kWarpTileKeys - 1) / kWarpTileKeys;
   const int t_begin = blockIdx.x * p.tiles_per_split + warp, t_end = min(n_tiles, t_begin - warp + p.tiles_per_split);
   const int my_tiles = t_begin < t_end ? (t_end - t_begin + kFastWarps - 1) / kFastWarps : 0;
-  if (my_tiles == 0) return;
   FastStage* ring = sm.stage[warp];
 
 #pragma unroll
@@ -460,24 +470,32 @@ __global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(Scor
     cp_async_commit();
   }
 
-  // A codes of all rows of the group; rows of 16-row tile mt belong to query token (16 mt) / H_I of the group.
-  uint32_t qa[4][4][4];  // [16-row tile][k-step][register]
-  float wr[4][2];
+  // Warp w stores 16-row tile w of the group (rows past the group are zero), its weights and NaN flag.
+  {
+    uint32_t qw[2][8];
+    float w_lo, w_hi;
+    const bool nan = __any_sync(0xFFFFFFFFu, load_query_rows(p, rg, req, warp, g, tq, qw, w_lo, w_hi));
+#pragma unroll
+    for (int s = 0; s < 8; ++s) sm.q[warp][s][lane] = make_uint2(qw[0][s], qw[1][s]);
+    if (tq == 0) {
+      sm.w[warp * 16 + g] = w_lo;
+      sm.w[warp * 16 + g + 8] = w_hi;
+    }
+    if (lane == 0) sm.qnan[warp] = nan;
+  }
+  __syncthreads();
+  if (my_tiles == 0) return;
+  float wr[4][2];  // weights of rows 16 mt + g and + 8
   bool qnan[2] = {false, false};
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt) {
-    uint32_t qw[2][8];
-    const bool nan = load_query_rows(p, rg, req, mt, g, tq, qw, wr[mt][0], wr[mt][1]);
-    const bool any = __any_sync(0xFFFFFFFFu, nan);
+    wr[mt][0] = sm.w[mt * 16 + g];
+    wr[mt][1] = sm.w[mt * 16 + g + 8];
     if (mt * 16 >= p.heads) {
-      qnan[1] = qnan[1] || any;
+      qnan[1] = qnan[1] || sm.qnan[mt];
     } else {
-      qnan[0] = qnan[0] || any;
+      qnan[0] = qnan[0] || sm.qnan[mt];
     }
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) qa[mt][s][r] = qw[r & 1][2 * s + (r >> 1)];
   }
   const int token_pos0 = p.ctx_lens[req] - p.n_q + rg.token0;  // position of the group's first query token
   // After the butterfly, lane (g, tq) holds the sums of key 8 (g >> 1) + 2 tq + (g & 1) of the tile.
@@ -494,32 +512,54 @@ __global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(Scor
     cp_async_commit();
     const FastStage& st = ring[i % kFastStages];
 
-    float part[2][8];  // [token][2 n + column parity]: this lane's rows summed
+    // B: bytes 32 tq .. 32 tq + 31 of key 8 n + g of each n8 tile.
+    uint32_t kb[4][8];
     uint32_t nan_mask[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint8_t* kp = &st.keys[(n * 8 + g) * kKeyStride + 32 * tq];
       const uint4 a = *reinterpret_cast<const uint4*>(kp);
       const uint4 b = *reinterpret_cast<const uint4*>(kp + 16);
-      const uint32_t kb[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      kb[n][0] = a.x, kb[n][1] = a.y, kb[n][2] = a.z, kb[n][3] = a.w;
+      kb[n][4] = b.x, kb[n][5] = b.y, kb[n][6] = b.z, kb[n][7] = b.w;
       bool nan = false;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) nan = nan || has_e4m3_nan(kb[j]);
+      for (int j = 0; j < 8; ++j) nan = nan || has_e4m3_nan(kb[n][j]);
       nan_mask[n] = __ballot_sync(0xFFFFFFFFu, nan);  // bits 4c .. 4c+3: key column c
-      float acc[4][4] = {};
+    }
+    // k16-step s takes word s of every lane's 32 bytes, as f16 (exact): its bytes 0-1 are the k pair 2 tq, 2 tq + 1
+    // of the fragments, bytes 2-3 the pair 8 + 2 tq, 9 + 2 tq, in A and B alike. The keys' words are converted
+    // once per tile, the queries' once per use (kept as codes, they take half the shared-memory reads).
+    float acc[4][4][4] = {};  // [n8 tile][16-row tile][register]
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-        if (mt < rg.m_tiles)
+    for (int s = 0; s < 8; ++s) {
+      uint32_t bf[4][2];
 #pragma unroll
-          for (int s = 0; s < 4; ++s) mma_e4m3(acc[mt], qa[mt][s], kb[2 * s], kb[2 * s + 1]);
-      // acc[mt][e]: row 16 mt + g + 8 (e >> 1), key 8 n + 2 tq + (e & 1).
+      for (int n = 0; n < 4; ++n) {
+        bf[n][0] = e4m3x2_to_f16x2(kb[n][s] & 0xFFFFu);
+        bf[n][1] = e4m3x2_to_f16x2(kb[n][s] >> 16);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        if (mt >= rg.m_tiles) continue;
+        const uint2 q = sm.q[mt][s][lane];
+        const uint32_t af[4] = {e4m3x2_to_f16x2(q.x & 0xFFFFu), e4m3x2_to_f16x2(q.y & 0xFFFFu),
+                                e4m3x2_to_f16x2(q.x >> 16), e4m3x2_to_f16x2(q.y >> 16)};
+#pragma unroll
+        for (int n = 0; n < 4; ++n) mma_f16(acc[n][mt], af, bf[n][0], bf[n][1]);
+      }
+    }
+    // acc[n][mt][e]: row 16 mt + g + 8 (e >> 1), key 8 n + 2 tq + (e & 1).
+    float part[2][8];  // [token][2 n + column parity]: this lane's rows summed
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) part[0][2 * n + e] = part[1][2 * n + e] = 0.0f;
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float term = wr[mt][e >> 1] * fmaxf(acc[mt][e], 0.0f);
+          const float term = wr[mt][e >> 1] * fmaxf(acc[n][mt][e], 0.0f);
           if (mt * 16 >= p.heads) {
             part[1][2 * n + (e & 1)] += term;
           } else {
@@ -561,6 +601,17 @@ __global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(Scor
       }
     }
   }
+}
+
+// Lets `kernel` use `smem` bytes of dynamic shared memory (all of the multiprocessor's shared memory carve-out) and
+// returns how many of its CTAs are resident per multiprocessor.
+int prepare_kernel(void (*kernel)(ScoreParams), int threads, size_t smem, const char* name) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), name);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100), name);
+  int per_sm = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), name);
+  require(per_sm > 0, std::string(name) + " does not fit on a multiprocessor");
+  return per_sm;
 }
 
 }  // namespace
@@ -606,36 +657,26 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
                 ctx_lens,      max_ctx_len,     scores,        score_stride,  0};
   const int groups = (queries.n_q * queries.heads + kGroupRows - 1) / kGroupRows;
   const int units = queries.batch * groups;
-  // One wave of CTAs (their resident count per multiprocessor: 2 exact, 3 fast), each a contiguous key range.
+  // One wave of CTAs, each a contiguous key range.
   if (mode == IndexScoreMode::exact) {
+    static DeviceCache resident;
+    const int per_sm = resident.get([] {
+      return prepare_kernel(index_scores_exact_kernel, kExactThreads, sizeof(ExactSmem), "index_scores_exact_kernel");
+    });
     const int tiles = (max_ctx_len + kTileKeys - 1) / kTileKeys;
-    const int splits = std::clamp(2 * device_sm_count() / units, 1, tiles);
+    const int splits = std::clamp(per_sm * device_sm_count() / units, 1, tiles);
     p.tiles_per_split = (tiles + splits - 1) / splits;
     const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
-    static DeviceCache attribute_set;
-    attribute_set.get([] {
-      check(cudaFuncSetAttribute(index_scores_exact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(sizeof(ExactSmem))),
-            "cudaFuncSetAttribute(index_scores_exact_kernel)");
-      check(cudaFuncSetAttribute(index_scores_exact_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-            "cudaFuncSetAttribute(index_scores_exact_kernel carveout)");
-      return 1;
-    });
     index_scores_exact_kernel<<<grid, kExactThreads, sizeof(ExactSmem), stream>>>(p);
   } else {
+    static DeviceCache resident;
+    const int per_sm = resident.get([] {
+      return prepare_kernel(index_scores_fast_kernel, kFastThreads, sizeof(FastSmem), "index_scores_fast_kernel");
+    });
     const int tiles = (max_ctx_len + kWarpTileKeys - 1) / kWarpTileKeys;
-    const int splits = std::clamp(3 * device_sm_count() / units, 1, (tiles + kFastWarps - 1) / kFastWarps);
+    const int splits = std::clamp(per_sm * device_sm_count() / units, 1, (tiles + kFastWarps - 1) / kFastWarps);
     p.tiles_per_split = (tiles + splits - 1) / splits;
     const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
-    static DeviceCache attribute_set;
-    attribute_set.get([] {
-      check(cudaFuncSetAttribute(index_scores_fast_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(sizeof(FastSmem))),
-            "cudaFuncSetAttribute(index_scores_fast_kernel)");
-      check(cudaFuncSetAttribute(index_scores_fast_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-            "cudaFuncSetAttribute(index_scores_fast_kernel carveout)");
-      return 1;
-    });
     index_scores_fast_kernel<<<grid, kFastThreads, sizeof(FastSmem), stream>>>(p);
   }
   check(cudaGetLastError(), "index_scores_decode kernel launch");

@@ -62,14 +62,6 @@ __device__ __forceinline__ uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Adds one to hist[bin] for every lane that has a bin (bin >= 0), one atomic per distinct bin in the warp: the
-// scores of a row often share their leading bits, and per-lane atomics on one bin would serialise.
-__device__ __forceinline__ void warp_histogram_add(uint32_t* hist, int bin) {
-  const uint32_t active = __ballot_sync(0xFFFFFFFFu, bin >= 0);
-  if (bin < 0) return;
-  const uint32_t same = __match_any_sync(active, bin);
-  if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
-}
 
 // All CTAs of a slot arrive; returns when `target` arrivals have been counted. The fences make each CTA's earlier
 // global writes and atomics visible to the others before they pass.
@@ -169,9 +161,10 @@ __global__ void __launch_bounds__(kThreads, 3) topk_kernel(TopkParams p) {
     clear_hist(sh);
 #pragma unroll 8
     for (int e = tid; e < span; e += kThreads) keys[e] = e < len ? order_key(s[e]) : 0u;
+#pragma unroll 4
     for (int e = tid; e < span; e += kThreads) {  // each thread reads back its own keys: no barrier needed
       const uint32_t key = keys[e];
-      warp_histogram_add(sh.hist, key ? static_cast<int>(key >> 21) : -1);
+      if (key) atomicAdd(&sh.hist[key >> 21], 1u);
     }
     flush_hist(sh, ws + kHist1, 2048);
     barrier();
@@ -184,9 +177,10 @@ __global__ void __launch_bounds__(kThreads, 3) topk_kernel(TopkParams p) {
       greater = d1.before;
       need = k - d1.before;
       clear_hist(sh);
+#pragma unroll 4
       for (int e = tid; e < span; e += kThreads) {
         const uint32_t key = keys[e];
-        warp_histogram_add(sh.hist, key && (key >> 21) == d1.digit ? static_cast<int>((key >> 10) & 2047u) : -1);
+        if (key && (key >> 21) == d1.digit) atomicAdd(&sh.hist[(key >> 10) & 2047u], 1u);
       }
       flush_hist(sh, ws + kHist2, 2048);
     }
@@ -200,9 +194,10 @@ __global__ void __launch_bounds__(kThreads, 3) topk_kernel(TopkParams p) {
       need -= d2.before;
       const uint32_t prefix = d1.digit << 11 | d2.digit;
       clear_hist(sh);
+#pragma unroll 4
       for (int e = tid; e < span; e += kThreads) {
         const uint32_t key = keys[e];
-        warp_histogram_add(sh.hist, key && (key >> 10) == prefix ? static_cast<int>(key & 1023u) : -1);
+        if (key && (key >> 10) == prefix) atomicAdd(&sh.hist[key & 1023u], 1u);
       }
       flush_hist(sh, ws + kHist3, 1024);
       barrier();
@@ -278,9 +273,12 @@ __global__ void __launch_bounds__(kThreads, 3) topk_kernel(TopkParams p) {
     __syncthreads();  // the keys and sh are rewritten by the next row
   }
 
-  // Every CTA of the slot has passed its last barrier once it gets here; the last one resets the counters.
+  // Every CTA of the slot has read the chunk totals and passed its last barrier once it gets here; the last one
+  // zeroes the totals and the counters.
   __syncthreads();
   if (tid == 0 && atomicAdd(ws + kExit, 1u) == static_cast<uint32_t>(p.chunks) - 1u) {
+    uint32_t* totals = p.ws + static_cast<int64_t>(slot) * p.slot_words + kTotals;
+    for (int j = 0; j < 2 * p.chunks; ++j) totals[j] = 0;
     atomicExch(ws + kBarrier, 0u);
     atomicExch(ws + kExit, 0u);
   }
