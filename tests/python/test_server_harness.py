@@ -23,7 +23,6 @@ IM_MIDDLE = 262       # the last token of a chat prompt with add_generation_prom
 THINK, END_THINK = 263, 264
 SECTION_BEGIN, SECTION_END = 265, 266
 CALL_BEGIN, ARGS_BEGIN, CALL_END = 267, 268, 269
-FIRST_FREE_ID = 271   # ids above the tokenizer's specials, free for added tokens
 
 # Texts of the scripted model, each one added token.
 REASONING = "Let me check the weather."
@@ -31,7 +30,6 @@ CONTENT = "Checking."
 CALL_ID = "functions.get_weather:0"
 ARGUMENTS = '{"city": "Paris"}'
 # A completion prompt "Z" continues with these pieces, then ends (EOS).
-COMPLETION_START = ord("Z")
 COMPLETION_PIECES = ["Hello", " world", ",", " this", " is", " kestrel", "."]
 SCRIPTED_COMPLETION = "".join(COMPLETION_PIECES)
 
@@ -59,50 +57,73 @@ def _read_safetensors(path):
     data = Path(path).read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + n])
-    return bytearray(data), header, 8 + n
+    meta = header.pop("__metadata__", None)
+    tensors = {}
+    for name, info in header.items():
+        b, e = info["data_offsets"]
+        tensors[name] = (info["dtype"], info["shape"], data[8 + n + b:8 + n + e])
+    return tensors, meta
 
 
-def _bf16(values: np.ndarray) -> bytes:
-    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x8000) >> 16).astype(np.uint16).tobytes()  # round to nearest (ties away; exact for our values)
+def _write_safetensors(path, tensors, meta):
+    header, blobs, at = {}, [], 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(raw)]}
+        blobs.append(raw)
+        at += len(raw)
+    if meta is not None:
+        header["__metadata__"] = meta
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def _bf16_to_f32(raw, shape):
+    return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape).copy()
+
+
+def _f32_to_bf16(values: np.ndarray) -> bytes:
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x8000) >> 16).astype(np.uint16).tobytes()  # round to nearest (exact for our values)
 
 
 def make_scripted(directory) -> Path:
     """A tiny kimi_k3 checkpoint whose greedy continuation of a token depends (almost) only on that token, so that
     outputs are known in advance: a huge embedding along one axis per chain token swamps every layer's output, and
-    the LM head maps that axis to the next token of the chain. Chains:
+    the LM head maps that axis to the next token of the chain. The vocabulary grows by one added (non-special)
+    token per text below. Chains:
       chat:        <|im_middle|> <think> REASONING </think> CONTENT <section> <call> CALL_ID <args> ARGUMENTS
                    <call_end> <section_end> <|im_end|>
-      completion:  'Z' Hello ' world' ',' ' this' ' is' ' kestrel' '.' <|im_end|>
-    Texts are added (non-special) tokens of the tokenizer."""
+      completion:  'Z' Hello ' world' ',' ' this' ' is' ' kestrel' '.' <|im_end|>"""
     directory = make_tiny(directory)
+    config = json.loads((directory / "config.json").read_text())
+    vocab = config["vocab_size"]
     tok_path = directory / "tokenizer.json"
     tok = json.loads(tok_path.read_text())
     texts = [REASONING, CONTENT, CALL_ID, ARGUMENTS] + COMPLETION_PIECES
-    ids = {}
-    for i, t in enumerate(texts):
-        tid = FIRST_FREE_ID + i
-        ids[t] = tid
+    ids = {t: vocab + i for i, t in enumerate(texts)}
+    for t, tid in ids.items():
         tok["added_tokens"].append({"id": tid, "content": t, "single_word": False, "lstrip": False,
                                     "rstrip": False, "normalized": False, "special": False})
     tok_path.write_text(json.dumps(tok, ensure_ascii=False))
+    (directory / "tiktoken.model").unlink(missing_ok=True)  # tokenizer.json is the tokenizer now
+    config["vocab_size"] = vocab + len(texts)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    completion_start = tok_ids(directory, "Z")
     chains = [
         [IM_MIDDLE, THINK, ids[REASONING], END_THINK, ids[CONTENT], SECTION_BEGIN, CALL_BEGIN, ids[CALL_ID],
          ARGS_BEGIN, ids[ARGUMENTS], CALL_END, SECTION_END, EOS],
-        [COMPLETION_START] + [ids[p] for p in COMPLETION_PIECES] + [EOS],
+        completion_start[-1:] + [ids[p] for p in COMPLETION_PIECES] + [EOS],
     ]
-    data, header, base = _read_safetensors(directory / "model.safetensors")
-
-    def tensor(name):
-        meta = header[name]
-        b, e = meta["data_offsets"]
-        assert meta["dtype"] == "BF16"
-        raw = np.frombuffer(bytes(data[base + b:base + e]), dtype=np.uint16).astype(np.uint32) << 16
-        return raw.view(np.float32).reshape(meta["shape"]).copy(), (base + b, base + e)
-
-    embed, embed_at = tensor("model.embed_tokens.weight")
-    head, head_at = tensor("lm_head.weight")
-    norm, norm_at = tensor("model.norm.weight")
+    tensors, meta = _read_safetensors(directory / "model.safetensors")
+    mats = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        dtype, shape, raw = tensors[name]
+        assert dtype == "BF16" and shape[0] == vocab
+        m = np.zeros((vocab + len(texts), shape[1]), dtype=np.float32)
+        m[:vocab] = _bf16_to_f32(raw, shape)
+        mats[name] = m
+    embed, head = mats["model.embed_tokens.weight"], mats["lm_head.weight"]
     axis = 0
     for chain in chains:
         for cur, nxt in zip(chain, chain[1:]):
@@ -112,11 +133,19 @@ def make_scripted(directory) -> Path:
             head[nxt, axis] = 10.0
             axis += 1
     assert axis <= embed.shape[1]
-    norm[:] = 1.0
-    for arr, (b, e) in ((embed, embed_at), (head, head_at), (norm, norm_at)):
-        data[b:e] = _bf16(arr)
-    (directory / "model.safetensors").write_bytes(bytes(data))
+    for name, m in mats.items():
+        tensors[name] = ("BF16", list(m.shape), _f32_to_bf16(m))
+    dtype, shape, _ = tensors["model.norm.weight"]
+    tensors["model.norm.weight"] = (dtype, shape, _f32_to_bf16(np.ones(shape, dtype=np.float32)))
+    _write_safetensors(directory / "model.safetensors", tensors, meta)
     return directory
+
+
+def tok_ids(model_dir, text):
+    """Token ids of `text` under the checkpoint's tokenizer, from the reference `tokenizers` library."""
+    import tokenizers
+    return tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
 
 
 class Server:

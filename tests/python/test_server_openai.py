@@ -217,13 +217,16 @@ def test_multi_turn_with_reasoning_and_tool_results(scripted):
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
-def test_tokenize_detokenize(tiny):
-    status, r = h.post(tiny.url + "/tokenize", {"prompt": "Hi é"})
+def test_tokenize_detokenize(tiny, tiny_dir):  # noqa: F811
+    text = "Hi é, the sea! <|im_end|>"
+    status, r = h.post(tiny.url + "/tokenize", {"prompt": text, "return_token_strs": True})
     assert status == 200
-    assert r["tokens"] == list("Hi é".encode())  # the tiny tokenizer is byte-level
-    assert r["count"] == 5 and r["max_model_len"] == 4096
+    assert r["tokens"] == h.tok_ids(tiny_dir, text)  # the reference `tokenizers` library on the same file
+    assert r["tokens"][-1] == h.EOS  # special tokens written in the text are recognised
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 4096
+    assert len(r["token_strs"]) == len(r["tokens"]) and r["token_strs"][0] == "Hi"[:len(r["token_strs"][0])]
     status, d = h.post(tiny.url + "/detokenize", {"tokens": r["tokens"]})
-    assert status == 200 and d["prompt"] == "Hi é"
+    assert status == 200 and d["prompt"] == text
     status, r = h.post(tiny.url + "/tokenize", {"messages": USER})
     assert r["tokens"][0] == 259 and r["tokens"][-1] == h.IM_MIDDLE  # <|im_user|> ... <|im_middle|>
 
