@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh build
+# Idle OpenMP threads sleep instead of spinning: several test binaries share the cores (ctest -j).
+export OMP_WAIT_POLICY=passive
 ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 600
 
 python3 -m venv .venv
