@@ -19,9 +19,9 @@
 //   5. every CTA writes its selected positions at their final ranks (the totals of the chunks before it, of the
 //      warps before it, and of the lanes before it by popcount), ascending; then -1 padding.
 // Steps 2-3 are skipped for rows that take all their candidates. A row's histograms are zeroed by its chunk-0 CTA
-// after the barrier that follows their last read, and the barrier counter by the last CTA to finish, so the
-// workspace is all zeros again when the kernel ends. When there are more rows than fit on the device at once, the
-// rows are taken in rounds by `slots` groups of CTAs.
+// after the barrier that follows their last read, and the chunk totals and the counters by the last CTA to
+// finish, so the workspace is all zeros again when the kernel ends. When there are more rows than fit on the
+// device at once, the rows are taken in rounds by `slots` groups of CTAs.
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
