@@ -2,7 +2,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "core/npy.h"
 #include "engine/engine.h"
 #include "model/model.h"
+#include "text/tokenizer.h"
 
 namespace kestrel::cli {
 namespace {
@@ -43,9 +46,10 @@ std::vector<int32_t> parse_ids(const std::string& s, const char* flag) {
 }
 
 struct GenerateArgs {
-  std::string model_dir, prompt, dump_logits, output_json, kv_cache_dtype = "auto", index_dtype = "fp8";
+  std::string model_dir, dump_logits, output_json, kv_cache_dtype = "auto", index_dtype = "fp8";
   std::string kda_prefill = "chunked", stop_token_ids;
   std::vector<std::string> prompt_ids;
+  std::vector<std::string> prompts;  // text, encoded with the checkpoint's tokenizer
   SamplingParams sampling;
   EngineConfig engine;
   int64_t cache_mib = 256;
@@ -64,14 +68,23 @@ ModelOptions model_options(const GenerateArgs& a) {
   return o;
 }
 
+bool has_tokenizer(const std::string& dir) {
+  return std::filesystem::exists(dir + "/tokenizer.json") || std::filesystem::exists(dir + "/tiktoken.model");
+}
+
 int run_generate(GenerateArgs a) {
-  if (!a.prompt.empty())
-    fail("--prompt needs the tokenizer, which this build does not have yet; pass --prompt-ids");
-  if (a.prompt_ids.empty()) fail("generate needs --prompt-ids");
+  if (a.prompt_ids.empty() && a.prompts.empty()) fail("generate needs --prompt TEXT or --prompt-ids IDS");
   std::vector<std::vector<int32_t>> prompts;
   for (const std::string& p : a.prompt_ids) {
     prompts.push_back(parse_ids(p, "--prompt-ids"));
     if (prompts.back().empty()) fail("--prompt-ids: no token ids given");
+  }
+  // Text in and text out when the checkpoint has a tokenizer; ids alone otherwise.
+  std::optional<text::Tokenizer> tokenizer;
+  if (!a.prompts.empty() || has_tokenizer(a.model_dir)) tokenizer = text::Tokenizer::load(a.model_dir);
+  for (const std::string& p : a.prompts) {
+    prompts.push_back(tokenizer->encode(p));
+    if (prompts.back().empty()) fail("--prompt: the text encodes to no tokens");
   }
   const bool dump = !a.dump_logits.empty();
   if (dump && (prompts.size() != 1 || a.sampling.n != 1))
@@ -110,6 +123,7 @@ int run_generate(GenerateArgs a) {
       std::string ids;
       for (int32_t t : c.token_ids) ids += fmt::format("{}{}", ids.empty() ? "" : " ", t);
       std::printf("%s\n", ids.c_str());
+      if (tokenizer) std::printf("%s\n", nlohmann::json(tokenizer->decode(c.token_ids)).dump().c_str());
       generated += static_cast<int64_t>(c.token_ids.size());
       if (json.is_open()) {
         nlohmann::json j{{"request", r.id},        {"index", c.index},
@@ -154,7 +168,7 @@ Runner add_generate(CLI::App& app) {
   EngineConfig& e = g->engine;
   gen->add_option("model_dir", g->model_dir, "checkpoint directory")->required();
   gen->add_option("--prompt-ids", g->prompt_ids, "comma-separated token ids of one prompt; repeat for more prompts");
-  gen->add_option("--prompt", g->prompt, "prompt text (needs the tokenizer)");
+  gen->add_option("--prompt", g->prompts, "prompt text, encoded with the checkpoint's tokenizer; repeat for more");
   gen->add_option("--max-tokens", s.max_tokens, "tokens to generate per completion")->capture_default_str();
   gen->add_option("--n", s.n, "completions per prompt (they share the prompt's cache rows)")->capture_default_str();
   gen->add_option("--temperature", s.temperature, "0 = greedy (default)");
