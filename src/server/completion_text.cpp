@@ -7,13 +7,19 @@ namespace kestrel::server {
 std::string StopStringMatcher::push(std::string_view text) {
   if (matched_) return "";
   pending_.append(text);
-  size_t first = std::string::npos;
+  // The stop string completed first wins (the earliest end; at equal ends the longer one), which no split of the
+  // text into pieces can change.
+  size_t first = std::string::npos, first_end = std::string::npos;
   const std::string* which = nullptr;
-  for (const std::string& s : stops_)
-    if (const size_t at = pending_.find(s); at < first) {
+  for (const std::string& s : stops_) {
+    const size_t at = pending_.find(s);
+    if (at == std::string::npos) continue;
+    if (at + s.size() < first_end || (at + s.size() == first_end && at < first)) {
       first = at;
+      first_end = at + s.size();
       which = &s;
     }
+  }
   if (which) {
     matched_ = *which;
     std::string out = pending_.substr(0, first + (include_stop_ ? which->size() : 0));

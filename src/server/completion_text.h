@@ -13,7 +13,7 @@
 namespace kestrel::server {
 
 // Stop strings over a stream of text: releases text as soon as no stop string can start in it, and cuts the text
-// at the first stop string.
+// at the stop string that is completed first.
 class StopStringMatcher {
  public:
   StopStringMatcher(std::vector<std::string> stops, bool include_stop)

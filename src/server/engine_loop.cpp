@@ -108,12 +108,22 @@ void EngineLoop::admit(std::vector<std::shared_ptr<RequestStream>>& subs) {
       r->id_ = engine_->add_request(r->prompt_, r->params_, r->priority_);
       live_.emplace(r->id_, r);
     } catch (const Error& e) {
-      r->end(std::nullopt, std::string(e.what()), 400, now_seconds());
-      std::lock_guard lock(mu_);
-      --in_flight_;
+      endings_.push_back({r, std::nullopt, std::string(e.what()), 400, now_seconds()});
     }
   }
   subs.clear();
+}
+
+// Publishes the snapshot, then tells the requests that ended: whoever sees an end sees a snapshot (and an
+// in-flight count) without that request.
+void EngineLoop::announce() {
+  publish();
+  {
+    std::lock_guard lock(mu_);
+    in_flight_ -= static_cast<int64_t>(endings_.size());
+  }
+  for (Ending& e : endings_) e.stream->end(std::move(e.output), std::move(e.error), e.error_status, e.time);
+  endings_.clear();
 }
 
 void EngineLoop::publish() {
@@ -129,17 +139,22 @@ void EngineLoop::publish() {
 }
 
 void EngineLoop::fail_all(const std::string& why) {
-  std::vector<std::shared_ptr<RequestStream>> subs;
+  std::vector<std::shared_ptr<RequestStream>> failed;
   {
     std::lock_guard lock(mu_);
-    subs.swap(submissions_);
+    failed.swap(submissions_);
     aborts_.clear();
-    in_flight_ -= static_cast<int64_t>(live_.size() + subs.size());
+  }
+  for (auto& [id, r] : live_) failed.push_back(r);
+  for (Ending& e : endings_) failed.push_back(e.stream);
+  live_.clear();
+  endings_.clear();
+  {
+    std::lock_guard lock(mu_);
+    in_flight_ -= static_cast<int64_t>(failed.size());
   }
   const double t = now_seconds();
-  for (auto& [id, r] : live_) r->end(std::nullopt, why, 503, t);
-  for (auto& r : subs) r->end(std::nullopt, why, 503, t);
-  live_.clear();
+  for (auto& r : failed) r->end(std::nullopt, why, 503, t);
 }
 
 // The prefix-cache hit each request waiting for its first admission would get now. The scheduler's lookup in the
@@ -205,10 +220,8 @@ void EngineLoop::dispatch(const StepOutput& out, double t_start, double t_end) {
   for (const RequestOutput& f : out.finished) {
     const auto it = live_.find(f.id);
     if (it == live_.end()) continue;
-    it->second->end(f, std::nullopt, 0, t_end);
+    endings_.push_back({it->second, f, std::nullopt, 0, t_end});
     live_.erase(it);
-    std::lock_guard lock(mu_);
-    --in_flight_;
   }
 }
 
@@ -227,11 +240,8 @@ void EngineLoop::run() {
       for (auto& r : aborts) {
         const auto it = live_.find(r->id_);
         if (r->id_ < 0 || it == live_.end()) continue;
-        RequestOutput out = engine_->abort(r->id_);
-        r->end(std::move(out), std::nullopt, 0, now_seconds());
+        endings_.push_back({r, engine_->abort(r->id_), std::nullopt, 0, now_seconds()});
         live_.erase(it);
-        std::lock_guard lock(mu_);
-        --in_flight_;
       }
       aborts.clear();
       if (stopping_) break;
@@ -242,15 +252,11 @@ void EngineLoop::run() {
         const double t1 = now_seconds();
         dispatch(out, t0, t1);
       }
-      publish();
+      announce();
     }
-    for (auto& [id, r] : live_) r->end(engine_->abort(id), std::nullopt, 0, now_seconds());
-    {
-      std::lock_guard lock(mu_);
-      in_flight_ -= static_cast<int64_t>(live_.size());
-    }
+    for (auto& [id, r] : live_) endings_.push_back({r, engine_->abort(id), std::nullopt, 0, now_seconds()});
     live_.clear();
-    publish();
+    announce();
     fail_all("the server stopped");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[kestrel] engine loop failed: %s\n", e.what());

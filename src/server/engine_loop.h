@@ -113,6 +113,7 @@ class EngineLoop {
   void admit(std::vector<std::shared_ptr<RequestStream>>& subs);
   void predict_cached_tokens();
   void dispatch(const StepOutput& out, double t_start, double t_end);
+  void announce();
   void fail_all(const std::string& why);
   void publish();
 
@@ -127,7 +128,16 @@ class EngineLoop {
   int64_t in_flight_ = 0;
   EngineSnapshot snapshot_;
 
-  std::unordered_map<RequestId, std::shared_ptr<RequestStream>> live_;  // engine thread only
+  // Engine thread only: the requests in the engine, and those that ended in this iteration.
+  std::unordered_map<RequestId, std::shared_ptr<RequestStream>> live_;
+  struct Ending {
+    std::shared_ptr<RequestStream> stream;
+    std::optional<RequestOutput> output;
+    std::optional<std::string> error;
+    int error_status = 0;
+    double time = 0;
+  };
+  std::vector<Ending> endings_;
 };
 
 }  // namespace kestrel::server
