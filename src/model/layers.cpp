@@ -250,36 +250,17 @@ std::vector<int32_t> MlaAttention::select(const float* x_t, const float* qr_t, i
   return idx;
 }
 
-void MlaAttention::forward(const float* x, int64_t T, const TokenPages& pages, float* y) const {
-  const int H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim;
-  const int dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim, dq = cfg_.qk_head_dim();
-  const int64_t D = cfg_.hidden_size, pos0 = pages.pos0, B = pages.block_size;
-
-  std::vector<float> q(static_cast<size_t>(T) * H * dq), qr;
-  if (q_a_) {
-    qr.resize(static_cast<size_t>(T) * cfg_.q_lora_rank);
-    std::vector<float> qa(qr.size());
-    (*q_a_)(x, T, qa.data());
-    cpu::rms_norm(qa.data(), q_a_norm_.ptr(), qr.data(), T, cfg_.q_lora_rank, kLatentNormEps);
-    (*q_b_)(qr.data(), T, q.data());
-  } else {
-    (*q_proj_)(x, T, q.data());
-  }
+void MlaAttention::write_cache(const float* x, int64_t T, const TokenPages& pages) const {
+  const int C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim;
+  const int64_t pos0 = pages.pos0, B = pages.block_size;
   std::vector<float> kv(static_cast<size_t>(T) * (C + R));
   kv_a_(x, T, kv.data());
   for (int64_t t = 0; t < T; ++t) {
     float* row = kv.data() + t * (C + R);
     cpu::rms_norm(row, kv_a_norm_.ptr(), row, 1, C, kLatentNormEps);
-    if (cfg_.use_rope) {
-      cpu::rope_interleaved(q.data() + t * H * dq + dn, H, dq, R, pos0 + t, inv_freq_.data());
-      cpu::rope_interleaved(row + C, 1, R, R, pos0 + t, inv_freq_.data());
-    }
-  }
-
-  // Write the new tokens' latent and index-key entries before attending: a token attends to itself.
-  for (int64_t t = 0; t < T; ++t) {
+    if (cfg_.use_rope) cpu::rope_interleaved(row + C, 1, R, R, pos0 + t, inv_freq_.data());
     const int64_t slot = pages.slots[t];
-    write_latent(kv.data() + t * (C + R), page_of_slot(pages, slot) + slot % B * latent_bytes_);
+    write_latent(row, page_of_slot(pages, slot) + slot % B * latent_bytes_);
   }
   if (indexer_) {
     const int Dh = indexer_->head_dim;
@@ -293,38 +274,92 @@ void MlaAttention::forward(const float* x, int64_t T, const TokenPages& pages, f
       write_index_key(kt, pages, pages.slots[t]);
     }
   }
+}
 
-  // The reference reads back decoded values: every cached position once per call.
-  const int64_t n = pos0 + T;
-  std::vector<float> rows(static_cast<size_t>(n) * (C + R));
-  read_latent(pages, n, rows.data());
-  std::vector<uint8_t> key_codes;
-  std::vector<float> key_scales;
-  if (indexer_) {
-    key_codes.resize(static_cast<size_t>(n) * indexer_->head_dim);
-    key_scales.resize(n);
-    read_index_keys(pages, n, key_codes.data(), key_scales.data());
+void MlaAttention::project_queries(const float* x, int64_t T, int64_t pos0, int head_begin, int head_end, float* q,
+                                   float* qr) const {
+  const int H = cfg_.num_attention_heads, dq = cfg_.qk_head_dim(), R = cfg_.qk_rope_head_dim;
+  KESTREL_CHECK(0 <= head_begin && head_begin <= head_end && head_end <= H, "heads [{}, {}) of an MLA layer of {}",
+                head_begin, head_end, H);
+  const int heads = head_end - head_begin;
+  // The query weights of heads [head_begin, head_end) are consecutive rows of q_b_proj (or q_proj).
+  const int64_t first_row = int64_t{head_begin} * dq, rows = int64_t{heads} * dq;
+  if (q_a_) {
+    std::vector<float> qa(static_cast<size_t>(T) * cfg_.q_lora_rank);
+    (*q_a_)(x, T, qa.data());
+    cpu::rms_norm(qa.data(), q_a_norm_.ptr(), qr, T, cfg_.q_lora_rank, kLatentNormEps);
+    cpu::linear(qr, q_b_->w.ptr() + first_row * q_b_->in(), q, T, q_b_->in(), rows);
+  } else {
+    cpu::linear(x, q_proj_->w.ptr() + first_row * q_proj_->in(), q, T, q_proj_->in(), rows);
   }
+  if (cfg_.use_rope)
+    for (int64_t t = 0; t < T; ++t)
+      cpu::rope_interleaved(q + t * rows + cfg_.qk_nope_head_dim, heads, dq, R, pos0 + t, inv_freq_.data());
+}
 
+void MlaAttention::read_context(const TokenPages& pages, int64_t n, MlaContext& ctx) const {
+  ctx.positions = n;
+  ctx.rows.resize(static_cast<size_t>(n) * (cfg_.kv_lora_rank + cfg_.qk_rope_head_dim));
+  read_latent(pages, n, ctx.rows.data());
+  if (indexer_) {
+    ctx.key_codes.resize(static_cast<size_t>(n) * indexer_->head_dim);
+    ctx.key_scales.resize(n);
+    read_index_keys(pages, n, ctx.key_codes.data(), ctx.key_scales.data());
+  }
+}
+
+void MlaAttention::attend(const float* q_t, const float* x_t, const float* qr_t, int64_t pos, const MlaContext& ctx,
+                          float* o_t) const {
+  const int H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim;
+  const int dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim;
+  KESTREL_CHECK(pos >= 0 && pos < ctx.positions, "query at position {} outside a context of {} positions", pos,
+                ctx.positions);
+  std::vector<float> q_abs(static_cast<size_t>(H) * (C + R)), obar(static_cast<size_t>(H) * C), lse(H);
+  cpu::mla_absorb_query(q_t, kv_b_.ptr(), H, dn, dv, C, R, q_abs.data());
   const float scale = cfg_.softmax_scale();
+  if (indexer_) {
+    const std::vector<int32_t> idx =
+        select(x_t, q_a_ ? qr_t : x_t, pos, ctx.key_codes.data(), ctx.key_scales.data());
+    cpu::mla_attend_absorbed(q_abs.data(), H, C, R, ctx.rows.data(), pos + 1, idx.data(),
+                             static_cast<int64_t>(idx.size()), scale, obar.data(), lse.data());
+  } else {
+    cpu::mla_attend_absorbed(q_abs.data(), H, C, R, ctx.rows.data(), pos + 1, nullptr, 0, scale, obar.data(),
+                             lse.data());
+  }
+  cpu::mla_unabsorb_output(obar.data(), kv_b_.ptr(), H, dn, dv, C, o_t);
+}
+
+void MlaAttention::project_output(const float* o, int64_t T, int head_begin, int head_end, float* y) const {
+  const int H = cfg_.num_attention_heads, dv = cfg_.v_head_dim;
+  KESTREL_CHECK(0 <= head_begin && head_begin <= head_end && head_end <= H, "heads [{}, {}) of an MLA layer of {}",
+                head_begin, head_end, H);
+  if (head_begin == 0 && head_end == H) {
+    o_proj_(o, T, y);
+    return;
+  }
+  // The columns of the heads, as a [hidden, heads * dv] weight of their own.
+  const int64_t D = o_proj_.out(), in = o_proj_.in(), first = int64_t{head_begin} * dv;
+  const int64_t cols = int64_t{head_end - head_begin} * dv;
+  std::vector<float> w(static_cast<size_t>(D * cols));
+  for (int64_t r = 0; r < D; ++r) std::copy_n(o_proj_.w.ptr() + r * in + first, cols, w.data() + r * cols);
+  cpu::linear(o, w.data(), y, T, cols, D);
+}
+
+void MlaAttention::forward(const float* x, int64_t T, const TokenPages& pages, float* y) const {
+  const int H = cfg_.num_attention_heads, dq = cfg_.qk_head_dim(), dv = cfg_.v_head_dim;
+  const int64_t D = cfg_.hidden_size, qlr = cfg_.q_lora_rank;
+  // Write the new tokens' entries before attending: a token attends to itself.
+  write_cache(x, T, pages);
+  std::vector<float> q(static_cast<size_t>(T) * H * dq), qr(static_cast<size_t>(T) * qlr);
+  project_queries(x, T, pages.pos0, 0, H, q.data(), qr.data());
+  // The reference reads back decoded values: every cached position once per call.
+  MlaContext ctx;
+  read_context(pages, pages.pos0 + T, ctx);
   std::vector<float> o(static_cast<size_t>(T) * H * dv);
 #pragma omp parallel for schedule(dynamic)
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<float> q_abs(static_cast<size_t>(H) * (C + R)), obar(static_cast<size_t>(H) * C), lse(H);
-    cpu::mla_absorb_query(q.data() + t * H * dq, kv_b_.ptr(), H, dn, dv, C, R, q_abs.data());
-    const int64_t pos = pos0 + t;
-    if (indexer_) {
-      const std::vector<int32_t> idx = select(x + t * D, q_a_ ? qr.data() + t * cfg_.q_lora_rank : x + t * D, pos,
-                                              key_codes.data(), key_scales.data());
-      cpu::mla_attend_absorbed(q_abs.data(), H, C, R, rows.data(), pos + 1, idx.data(),
-                               static_cast<int64_t>(idx.size()), scale, obar.data(), lse.data());
-    } else {
-      cpu::mla_attend_absorbed(q_abs.data(), H, C, R, rows.data(), pos + 1, nullptr, 0, scale, obar.data(),
-                               lse.data());
-    }
-    cpu::mla_unabsorb_output(obar.data(), kv_b_.ptr(), H, dn, dv, C, o.data() + t * H * dv);
-  }
-  o_proj_(o.data(), T, y);
+  for (int64_t t = 0; t < T; ++t)
+    attend(q.data() + t * H * dq, x + t * D, qr.data() + t * qlr, pages.pos0 + t, ctx, o.data() + t * H * dv);
+  project_output(o.data(), T, 0, H, y);
 }
 
 // ---------------------------------------------------------------- KDA

@@ -65,6 +65,14 @@ struct KdaCheckpoint {
   KdaStateView dst;
 };
 
+// A request's context as MLA attention reads it: positions [0, positions) of its pages, decoded.
+struct MlaContext {
+  int64_t positions = 0;
+  std::vector<float> rows;         // [positions, kv_lora_rank + qk_rope_head_dim]: [c ; k_pe]
+  std::vector<uint8_t> key_codes;  // [positions, index_head_dim] FP8 codes (with an indexer)
+  std::vector<float> key_scales;   // [positions]
+};
+
 struct Indexer {
   Linear wq_b, wk, weights_proj;
   Tensor k_norm_w, k_norm_b;
@@ -82,6 +90,31 @@ class MlaAttention {
   void forward(const float* x, int64_t T, const TokenPages& pages, float* y) const;
   // The cached rows [c ; k_pe] of positions [0, n) as attention reads them (decoded): rows [n, C+R].
   void read_latent(const TokenPages& pages, int64_t n, float* rows) const;
+
+  // The phases of forward(), for runners that spread a step over ranks (src/parallel). forward() is exactly
+  // write_cache; project_queries over every head; read_context of [0, pos0 + T); attend for each token;
+  // project_output over every head. Every output element of each phase is computed on its own (one dot product,
+  // or one token's attention), so any split of tokens or heads gives the same bits.
+  //
+  // The new tokens' latent and index-key entries, written at their slots.
+  void write_cache(const float* x, int64_t T, const TokenPages& pages) const;
+  // Queries of T tokens at positions pos0...: q [T, head_end - head_begin, qk_head_dim] for heads
+  // [head_begin, head_end), RoPE applied; with q_lora_rank also the query latent qr [T, q_lora_rank] (the indexer's
+  // input), which does not depend on the heads; qr is not touched without q_lora_rank.
+  void project_queries(const float* x, int64_t T, int64_t pos0, int head_begin, int head_end, float* q,
+                       float* qr) const;
+  void read_context(const TokenPages& pages, int64_t n, MlaContext& ctx) const;
+  // One query token at position pos < ctx.positions, every head: q_t [H, qk_head_dim] from project_queries, x_t
+  // its normed input, qr_t its query latent (ignored without q_lora_rank). Selects with the indexer (if any),
+  // attends in the absorbed form and applies W_UV: o_t [H, v_head_dim].
+  void attend(const float* q_t, const float* x_t, const float* qr_t, int64_t pos, const MlaContext& ctx,
+              float* o_t) const;
+  // o_proj restricted to the columns of heads [head_begin, head_end): o [T, (head_end - head_begin) * v_head_dim],
+  // y [T, hidden]. Over every head this is o_proj; summed over a partition of the heads it equals o_proj up to
+  // fp32 rounding (the tensor-parallel output projection).
+  void project_output(const float* o, int64_t T, int head_begin, int head_end, float* y) const;
+
+  const ModelConfig& config() const { return cfg_; }
   const std::optional<Indexer>& indexer() const { return indexer_; }
   int64_t latent_bytes() const { return latent_bytes_; }        // per token
   int64_t index_key_bytes() const { return index_key_bytes_; }  // per token, 0 without an indexer

@@ -64,7 +64,7 @@ int Model::prefill_alignment() const {
   return opts_.kda_chunked_prefill && cfg_.num_layers_of(LayerKind::kda) > 0 ? 64 : 1;
 }
 
-void Model::forward(const StepBatch& batch, float* logits) const {
+void Model::forward(const StepBatch& batch, float* logits, MlaStepRunner* mla_runner) const {
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
   const CachePlan& plan = *batch.plan;
   const auto& seqs = batch.seqs;
@@ -103,24 +103,32 @@ void Model::forward(const StepBatch& batch, float* logits) const {
   auto state_at = [&](int32_t row, size_t l) {
     return kda_state_view(cfg_, batch.pool + int64_t{row} * plan.row_bytes + plan.state_offset[l]);
   };
+  auto pages_of = [&](const SequenceStep& s, size_t l) {
+    return TokenPages{batch.pool + plan.page_offset[l], plan.row_bytes,  plan.block_size,
+                      s.block_table.data(),             s.slots.data(), s.start};
+  };
+  std::vector<MlaStepRequest> mla_requests(seqs.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const DecoderLayer& L = layers_[l];
     cpu::rms_norm(h.data(), L.input_norm.ptr(), x.data(), N, D, cfg_.rms_norm_eps);
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      const SequenceStep& s = seqs[i];
-      const int64_t n = first[i + 1] - first[i];
-      const float* xi = x.data() + first[i] * D;
-      float* yi = y.data() + first[i] * D;
-      if (L.kda) {
-        const int g = plan.state_row[l];
-        std::vector<KdaCheckpoint> checkpoints;
-        for (const CheckpointTarget& c : s.checkpoints) checkpoints.push_back({c.position, state_at(c.rows[g], l)});
-        L.kda->forward(xi, n, s.start, state_at(s.state_rows[g], l), opts_.kda_chunked_prefill && s.prompt,
-                       checkpoints, plan.block_size, yi);
-      } else {
-        const TokenPages pages{batch.pool + plan.page_offset[l], plan.row_bytes, plan.block_size,
-                               s.block_table.data(),           s.slots.data(), s.start};
-        L.mla->forward(xi, n, pages, yi);
+    if (L.mla && mla_runner) {
+      for (size_t i = 0; i < seqs.size(); ++i) mla_requests[i] = {pages_of(seqs[i], l), first[i + 1] - first[i]};
+      mla_runner->run(*L.mla, x.data(), mla_requests, y.data());
+    } else {
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const SequenceStep& s = seqs[i];
+        const int64_t n = first[i + 1] - first[i];
+        const float* xi = x.data() + first[i] * D;
+        float* yi = y.data() + first[i] * D;
+        if (L.kda) {
+          const int g = plan.state_row[l];
+          std::vector<KdaCheckpoint> checkpoints;
+          for (const CheckpointTarget& c : s.checkpoints) checkpoints.push_back({c.position, state_at(c.rows[g], l)});
+          L.kda->forward(xi, n, s.start, state_at(s.state_rows[g], l), opts_.kda_chunked_prefill && s.prompt,
+                         checkpoints, plan.block_size, yi);
+        } else {
+          L.mla->forward(xi, n, pages_of(s, l), yi);
+        }
       }
     }
     for (size_t i = 0; i < h.size(); ++i) h[i] += y[i];

@@ -55,6 +55,23 @@ struct SequenceState {
   std::vector<uint8_t> rows;
 };
 
+// One request's part of an MLA layer's step: its pages (pages.pos0 = its cached positions) and its new tokens.
+struct MlaStepRequest {
+  TokenPages pages;
+  int64_t tokens = 0;
+};
+
+// Runs an MLA layer for all requests of a step at once, in place of MlaAttention::forward per request. The
+// token-sharded prefill of src/parallel implements it over W ranks; the model knows nothing of ranks.
+class MlaStepRunner {
+ public:
+  virtual ~MlaStepRunner() = default;
+  // x: [N, hidden] normed input of the step's tokens, requests back to back in the order of `requests`;
+  // y: [N, hidden]. Must write and read the pages as MlaAttention::forward does.
+  virtual void run(const MlaAttention& layer, const float* x, std::span<const MlaStepRequest> requests,
+                   float* y) = 0;
+};
+
 struct DecoderLayer {
   Tensor input_norm, post_norm;
   std::unique_ptr<MlaAttention> mla;  // exactly one of mla / kda
@@ -79,8 +96,9 @@ class Model {
 
   // Runs one step of several requests together: every token through the dense parts at once, each request's
   // tokens through its own attention pages and KDA states. logits: [sum of wanted positions, vocab], requests in
-  // order. The result for a request does not depend on the others in the batch.
-  void forward(const StepBatch& batch, float* logits) const;
+  // order. The result for a request does not depend on the others in the batch. With an `mla` runner, the MLA
+  // layers run through it.
+  void forward(const StepBatch& batch, float* logits, MlaStepRunner* mla = nullptr) const;
 
   SequenceState new_sequence() const;
   // Feeds T tokens at positions seq.num_tokens...; a call with T > 1 is a prompt, a single token a generated one.
