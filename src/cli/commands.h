@@ -13,5 +13,6 @@ Runner add_generate(CLI::App& app);
 Runner add_inspect_cache(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
 Runner add_serve(CLI::App& app);
+Runner add_bench(CLI::App& app);
 
 }  // namespace kestrel::cli

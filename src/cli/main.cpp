@@ -13,7 +13,8 @@ int main(int argc, char** argv) {
                                                        kestrel::cli::add_generate(app),
                                                        kestrel::cli::add_tokenize(app),
                                                        kestrel::cli::add_inspect_cache(app),
-                                                       kestrel::cli::add_serve(app)};
+                                                       kestrel::cli::add_serve(app),
+                                                       kestrel::cli::add_bench(app)};
     CLI11_PARSE(app, argc, argv);
     for (const auto& run : runners) {
       const int rc = run();
