@@ -54,13 +54,19 @@ int64_t TokenShardPlan::causal_work(int rank) const {
   return work;
 }
 
+HeadRange head_range(int heads, int world, int rank) {
+  KESTREL_CHECK(heads >= 1 && world >= 1 && rank >= 0 && rank < world, "head_range: {} heads, rank {} of {}", heads,
+                rank, world);
+  const auto bound = [&](int r) { return static_cast<int>(int64_t{r} * heads / world); };
+  return {bound(rank), bound(rank + 1)};
+}
+
 namespace {
 
 void check_heads(const TokenShardPlan& plan, const Communicator& comm, int heads, int head_dim, const char* who) {
   KESTREL_CHECK(comm.size() == plan.world(), "{}: plan for {} ranks used by {} ranks", who, plan.world(),
                 comm.size());
-  KESTREL_CHECK(heads >= 1 && head_dim >= 1 && heads % plan.world() == 0,
-                "{}: {} heads of dim {} cannot be split over {} ranks", who, heads, head_dim, plan.world());
+  KESTREL_CHECK(heads >= 1 && head_dim >= 1, "{}: {} heads of dim {}", who, heads, head_dim);
 }
 
 }  // namespace
@@ -69,25 +75,30 @@ std::vector<float> head_to_token_sharded(Communicator& comm, const TokenShardPla
                                          std::span<const float> head_sharded, int heads, int head_dim) {
   check_heads(plan, comm, heads, head_dim, "head_to_token_sharded");
   const int W = comm.size(), me = comm.rank();
-  const int64_t slab = static_cast<int64_t>(heads / W) * head_dim;  // one token's heads on one rank
-  KESTREL_CHECK(static_cast<int64_t>(head_sharded.size()) == plan.step_tokens() * slab,
-                "head_to_token_sharded: expected {} values, got {}", plan.step_tokens() * slab, head_sharded.size());
+  // One token's heads on rank r: slab(r) values.
+  const auto slab = [&](int r) { return static_cast<size_t>(head_range(heads, W, r).count()) * head_dim; };
+  KESTREL_CHECK(head_sharded.size() == plan.step_tokens() * slab(me),
+                "head_to_token_sharded: expected {} values, got {}", plan.step_tokens() * slab(me),
+                head_sharded.size());
   std::vector<float> send;
   send.reserve(head_sharded.size());
   std::vector<size_t> send_bytes(W), recv_bytes(W);
   const size_t mine = plan.tokens_of(me).size();
   for (int d = 0; d < W; ++d) {
     for (int64_t t : plan.tokens_of(d))
-      send.insert(send.end(), head_sharded.begin() + t * slab, head_sharded.begin() + (t + 1) * slab);
-    send_bytes[d] = plan.tokens_of(d).size() * slab * sizeof(float);
-    recv_bytes[d] = mine * slab * sizeof(float);
+      send.insert(send.end(), head_sharded.begin() + t * slab(me), head_sharded.begin() + (t + 1) * slab(me));
+    send_bytes[d] = plan.tokens_of(d).size() * slab(me) * sizeof(float);
+    recv_bytes[d] = mine * slab(d) * sizeof(float);
   }
-  std::vector<float> recv(mine * slab * W);
+  std::vector<float> recv(mine * heads * head_dim);
   comm.all_to_all_v(send.data(), send_bytes, recv.data(), recv_bytes);
   std::vector<float> out(recv.size());
-  for (int s = 0; s < W; ++s)
-    for (size_t i = 0; i < mine; ++i)
-      std::copy_n(recv.begin() + (s * mine + i) * slab, slab, out.begin() + (i * W + s) * slab);
+  auto from = recv.begin();
+  for (int s = 0; s < W; ++s) {
+    const size_t first = static_cast<size_t>(head_range(heads, W, s).begin) * head_dim;
+    for (size_t i = 0; i < mine; ++i, from += slab(s))
+      std::copy_n(from, slab(s), out.begin() + i * heads * head_dim + first);
+  }
   return out;
 }
 
@@ -95,28 +106,29 @@ std::vector<float> token_to_head_sharded(Communicator& comm, const TokenShardPla
                                          std::span<const float> token_sharded, int heads, int head_dim) {
   check_heads(plan, comm, heads, head_dim, "token_to_head_sharded");
   const int W = comm.size(), me = comm.rank();
-  const int64_t slab = static_cast<int64_t>(heads / W) * head_dim;
-  const size_t mine = plan.tokens_of(me).size();
-  KESTREL_CHECK(token_sharded.size() == mine * slab * W, "token_to_head_sharded: expected {} values, got {}",
-                mine * slab * W, token_sharded.size());
+  const auto slab = [&](int r) { return static_cast<size_t>(head_range(heads, W, r).count()) * head_dim; };
+  const size_t mine = plan.tokens_of(me).size(), row = static_cast<size_t>(heads) * head_dim;
+  KESTREL_CHECK(token_sharded.size() == mine * row, "token_to_head_sharded: expected {} values, got {}", mine * row,
+                token_sharded.size());
   std::vector<float> send;
   send.reserve(token_sharded.size());
   std::vector<size_t> send_bytes(W), recv_bytes(W);
   for (int d = 0; d < W; ++d) {
+    const size_t first = static_cast<size_t>(head_range(heads, W, d).begin) * head_dim;
     for (size_t i = 0; i < mine; ++i)
-      send.insert(send.end(), token_sharded.begin() + (i * W + d) * slab,
-                  token_sharded.begin() + (i * W + d + 1) * slab);
-    send_bytes[d] = mine * slab * sizeof(float);
-    recv_bytes[d] = plan.tokens_of(d).size() * slab * sizeof(float);
+      send.insert(send.end(), token_sharded.begin() + i * row + first,
+                  token_sharded.begin() + i * row + first + slab(d));
+    send_bytes[d] = mine * slab(d) * sizeof(float);
+    recv_bytes[d] = plan.tokens_of(d).size() * slab(me) * sizeof(float);
   }
-  std::vector<float> recv(plan.step_tokens() * slab);
+  std::vector<float> recv(plan.step_tokens() * slab(me));
   comm.all_to_all_v(send.data(), send_bytes, recv.data(), recv_bytes);
   std::vector<float> out(recv.size());
   auto from = recv.begin();
   for (int s = 0; s < W; ++s)
     for (int64_t t : plan.tokens_of(s)) {
-      std::copy_n(from, slab, out.begin() + t * slab);
-      from += slab;
+      std::copy_n(from, slab(me), out.begin() + t * slab(me));
+      from += slab(me);
     }
   return out;
 }

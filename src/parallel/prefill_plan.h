@@ -48,9 +48,18 @@ class TokenShardPlan {
   std::vector<std::vector<int64_t>> tokens_;
 };
 
-// The two all-to-alls around token-sharded attention. Head-sharded layout on rank r: [step_tokens, H/W, D], heads
-// r*H/W .. (r+1)*H/W-1 of every step token. Token-sharded layout on rank r: [tokens_of(r), H, D], every head of
-// the rank's own tokens. H must be divisible by W.
+// The heads rank r holds in the head-sharded layout: [floor(r*H/W), floor((r+1)*H/W)). With H divisible by W that
+// is H/W heads from r*H/W; otherwise shares differ by one (H = 4, W = 3: 1, 1, 2), and ranks beyond H hold none.
+struct HeadRange {
+  int begin = 0;
+  int end = 0;
+  int count() const { return end - begin; }
+};
+HeadRange head_range(int heads, int world, int rank);
+
+// The two all-to-alls around token-sharded attention. Head-sharded layout on rank r: [step_tokens,
+// head_range(H, W, r).count(), D], the rank's heads of every step token. Token-sharded layout on rank r:
+// [tokens_of(r), H, D], every head of the rank's own tokens.
 std::vector<float> head_to_token_sharded(Communicator& comm, const TokenShardPlan& plan,
                                          std::span<const float> head_sharded, int heads, int head_dim);
 std::vector<float> token_to_head_sharded(Communicator& comm, const TokenShardPlan& plan,

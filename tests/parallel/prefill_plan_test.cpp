@@ -90,34 +90,63 @@ TEST(CausalPieces, SeveralRequestsInOneStep) {
 // Fills the full [T, H, D] step tensor with values that say which token, head and element they are.
 float value_of(int64_t t, int h, int d) { return static_cast<float>(t * 1000 + h * 10 + d); }
 
+TEST(AllToAllLayouts, HeadRangesPartitionTheHeads) {
+  EXPECT_EQ(head_range(8, 4, 1).begin, 2);
+  EXPECT_EQ(head_range(8, 4, 1).end, 4);
+  // 4 heads over 3 ranks: 1, 1, 2.
+  EXPECT_EQ(head_range(4, 3, 0).count(), 1);
+  EXPECT_EQ(head_range(4, 3, 1).begin, 1);
+  EXPECT_EQ(head_range(4, 3, 2).begin, 2);
+  EXPECT_EQ(head_range(4, 3, 2).end, 4);
+  for (int W = 1; W <= 8; ++W)
+    for (int H = 1; H <= 20; ++H) {
+      int next = 0;
+      for (int r = 0; r < W; ++r) {
+        const HeadRange hr = head_range(H, W, r);
+        EXPECT_EQ(hr.begin, next);
+        EXPECT_TRUE(hr.count() == H / W || hr.count() == H / W + 1) << "H=" << H << " W=" << W << " r=" << r;
+        next = hr.end;
+      }
+      EXPECT_EQ(next, H);
+    }
+}
+
 TEST(AllToAllLayouts, HeadToTokenGivesOwnTokensAllHeadsAndRoundTrips) {
   const std::vector<PrefillRequest> reqs = {{0, 13}, {40, 29}, {7, 3}};
   for (int W = 1; W <= 8; ++W) {
-    const int H = 2 * W, D = 3;
-    const TokenShardPlan plan(reqs, W);
-    LocalWorld(W).run([&](Communicator& comm) {
-      const int me = comm.rank(), Hs = H / W;
-      std::vector<float> head_sharded;
-      for (int64_t t = 0; t < plan.step_tokens(); ++t)
-        for (int j = 0; j < Hs; ++j)
-          for (int d = 0; d < D; ++d) head_sharded.push_back(value_of(t, me * Hs + j, d));
-      const std::vector<float> token_sharded = head_to_token_sharded(comm, plan, head_sharded, H, D);
-      const auto mine = plan.tokens_of(me);
-      ASSERT_EQ(token_sharded.size(), mine.size() * H * D);
-      for (size_t i = 0; i < mine.size(); ++i)
-        for (int h = 0; h < H; ++h)
-          for (int d = 0; d < D; ++d) ASSERT_EQ(token_sharded[(i * H + h) * D + d], value_of(mine[i], h, d));
-      EXPECT_EQ(token_to_head_sharded(comm, plan, token_sharded, H, D), head_sharded);
-    });
+    // Heads divisible by W, not divisible, and fewer heads than ranks (some ranks hold none).
+    for (int H : {2 * W, 2 * W + 1, 4, 3}) {
+      const int D = 3;
+      const TokenShardPlan plan(reqs, W);
+      LocalWorld(W).run([&](Communicator& comm) {
+        const int me = comm.rank();
+        const HeadRange mine_h = head_range(H, W, me);
+        std::vector<float> head_sharded;
+        for (int64_t t = 0; t < plan.step_tokens(); ++t)
+          for (int h = mine_h.begin; h < mine_h.end; ++h)
+            for (int d = 0; d < D; ++d) head_sharded.push_back(value_of(t, h, d));
+        const std::vector<float> token_sharded = head_to_token_sharded(comm, plan, head_sharded, H, D);
+        const auto mine = plan.tokens_of(me);
+        ASSERT_EQ(token_sharded.size(), mine.size() * H * D);
+        for (size_t i = 0; i < mine.size(); ++i)
+          for (int h = 0; h < H; ++h)
+            for (int d = 0; d < D; ++d)
+              ASSERT_EQ(token_sharded[(i * H + h) * D + d], value_of(mine[i], h, d)) << "W=" << W << " H=" << H;
+        EXPECT_EQ(token_to_head_sharded(comm, plan, token_sharded, H, D), head_sharded);
+      });
+    }
   }
 }
 
-TEST(AllToAllLayouts, RejectsHeadsNotDivisibleByRanks) {
+TEST(AllToAllLayouts, RejectsInputsOfTheWrongSize) {
   const std::vector<PrefillRequest> reqs = {{0, 4}};
   const TokenShardPlan plan(reqs, 3);
   LocalWorld(3).run([&](Communicator& comm) {
-    const std::vector<float> x(4 * 2);
+    // 4 heads over 3 ranks hold 1, 1 and 2 heads of the 4 tokens: 4, 4 and 8 values. 3 heads' worth is wrong on
+    // every rank, so each one fails before the collective.
+    const std::vector<float> x(4 * 3);
     EXPECT_THROW(head_to_token_sharded(comm, plan, x, 4, 1), Error);
+    EXPECT_THROW(token_to_head_sharded(comm, plan, x, 4, 1), Error);
   });
 }
 
