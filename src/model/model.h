@@ -106,6 +106,7 @@ class Model {
   void forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only = false) const;
 
   std::vector<DecoderLayer>& layers() { return layers_; }
+  const std::vector<DecoderLayer>& layers() const { return layers_; }
 
  private:
   ModelConfig cfg_;
