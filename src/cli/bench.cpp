@@ -65,8 +65,10 @@ int run_bench_serve(BenchArgs& a) {
     saved = {{"sweep", nlohmann::ordered_json::array()}, {"num_devices", a.devices}};
     std::string table = fmt::format("{:>12} {:>14} {:>18} {:>18} {:>12} {:>12}\n", "concurrency", "req/s",
                                     "out tok/s/device", "out tok/s/user", "TTFT p50 ms", "TPOT p50 ms");
+    const uint64_t seed = o.seed;
     for (int c : parse_levels(a.sweep)) {
       o.max_concurrency = c;
+      o.seed = seed + static_cast<uint64_t>(c) * 1000003;  // new prompts: no level finds the last one's in the cache
       nlohmann::ordered_json r = server::bench_serve(o);
       std::printf("%s", server::format_bench_result(r).c_str());
       r["output_throughput_per_device"] = r["output_throughput"].get<double>() / a.devices;
