@@ -114,17 +114,19 @@ std::string tool_prefill(ParserFormat f, ToolStart start, const std::string& nam
 OutputParser::OutputParser(const ParserOptions& opts) : opts_(opts), state_(State::start) {
   if (opts_.reasoning && opts_.start_in_reasoning) state_ = State::reasoning;
   if (opts_.tools && opts_.tool_start != ToolStart::free) state_ = State::section;
-  if (opts_.tools && opts_.tool_start == ToolStart::named) state_ = State::call_body;
+  if (opts_.tools && opts_.tool_start == ToolStart::named) {
+    state_ = State::call_body;
+    announce_named_call_ = true;
+  }
 }
 
 void OutputParser::feed(std::string_view text, OutputDelta& out) {
-  if (opts_.tools && opts_.tool_start == ToolStart::named && calls_ == 0 && state_ == State::call_body &&
-      out.tool_calls.empty() && buf_.empty()) {
+  if (announce_named_call_) {
     // The prompt opened the named call: announce it before its arguments.
     const std::string id = *opts_.tools == ParserFormat::kimi_k3 ? fmt::format("functions.{}:0", opts_.tool_name)
                                                                   : opts_.call_id_prefix + "0";
     begin_call(id, opts_.tool_name, out);
-    opts_.tool_start = ToolStart::required;  // announced once
+    announce_named_call_ = false;
   }
   buf_.append(text);
   process(out, false);

@@ -77,6 +77,7 @@ class OutputParser {
   State state_;
   std::string buf_;
   int calls_ = 0;
+  bool announce_named_call_ = false;  // the first delta starts the call the prompt opened
 };
 
 }  // namespace kestrel::server

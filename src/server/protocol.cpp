@@ -144,10 +144,11 @@ GenerationParams parse_generation(Fields& f, bool chat) {
     if (!(*v >= 0 && *v <= 1)) bad_request("min_p", "'min_p' must be in [0, 1], got {}", *v);
     s.min_p = static_cast<float>(*v);
   }
-  for (const char* k : {"presence_penalty", "frequency_penalty"})
-    if (auto v = f.number(k)) {
-      if (!(*v >= -2 && *v <= 2)) bad_request(k, "'{}' must be in [-2, 2], got {}", k, *v);
-      (std::string(k) == "presence_penalty" ? s.presence_penalty : s.frequency_penalty) = static_cast<float>(*v);
+  for (auto [key, field] : {std::pair{"presence_penalty", &s.presence_penalty},
+                             std::pair{"frequency_penalty", &s.frequency_penalty}})
+    if (auto v = f.number(key)) {
+      if (!(*v >= -2 && *v <= 2)) bad_request(key, "'{}' must be in [-2, 2], got {}", key, *v);
+      *field = static_cast<float>(*v);
     }
   if (auto v = f.number("repetition_penalty")) {
     if (!(*v > 0)) bad_request("repetition_penalty", "'repetition_penalty' must be > 0, got {}", *v);

@@ -81,7 +81,9 @@ TEST(StopStrings, RandomTextsAndSplitsMatchTheDefinition) {
     }
     StopStringMatcher m(stops, false);
     ASSERT_EQ(run(m, pieces, nullptr), want) << text;
-    if (first != std::string::npos) ASSERT_EQ(m.matched(), which);
+    if (first != std::string::npos) {
+      ASSERT_EQ(m.matched(), which);
+    }
   }
 }
 
