@@ -279,9 +279,17 @@ Json parse_tools(const Json* v) {
 }  // namespace
 
 Json parse_body(const std::string& body) {
+  // Deeply nested values would exhaust the stack of whatever walks them recursively later (templates, dumps).
+  const Json::parser_callback_t limit_depth = [](int depth, Json::parse_event_t event, Json&) {
+    // `depth` counts the containers around the one starting: the top-level object is level 1.
+    const bool opens = event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start;
+    if (opens && depth >= kMaxJsonDepth)
+      throw ApiError(400, fmt::format("the request body nests JSON deeper than {} levels", kMaxJsonDepth));
+    return true;
+  };
   Json j;
   try {
-    j = Json::parse(body);
+    j = Json::parse(body, limit_depth);
   } catch (const Json::parse_error& e) {
     throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()));
   }

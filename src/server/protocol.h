@@ -72,13 +72,16 @@ struct DetokenizeRequest {
 // The maximum `n`, `logprobs` / `top_logprobs` a request may ask for.
 constexpr int kMaxN = 128;
 constexpr int kMaxLogprobs = 20;
+// Nesting levels a request body may have.
+constexpr int kMaxJsonDepth = 64;
 
 CompletionRequest parse_completion_request(const Json& body);
 ChatRequest parse_chat_request(const Json& body);
 TokenizeRequest parse_tokenize_request(const Json& body);
 DetokenizeRequest parse_detokenize_request(const Json& body);
 
-// Parses a request body: 400 for malformed JSON (including invalid UTF-8) or a body that is not an object.
+// Parses a request body: 400 for malformed JSON (including invalid UTF-8), nesting deeper than kMaxJsonDepth, or a
+// body that is not an object.
 Json parse_body(const std::string& body);
 
 }  // namespace kestrel::server

@@ -51,6 +51,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 BAD_REQUESTS = [
     ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": "x",', None),
     ("body not an object", "/v1/completions", b'[1, 2, 3]', None),
+    ("deeply nested json", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+     b'"parameters": {"a": ' + b"[" * 100000 + b"]" * 100000 + b'}}}], "tool_choice": "none"}', None),
     ("invalid utf-8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe bad"}', None),
     ("lone surrogate escape", "/v1/chat/completions",
      b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', None),

@@ -130,6 +130,11 @@ TEST(Protocol, BodyMustBeAJsonObject) {
     }
   }
   EXPECT_EQ(parse_body(R"({"a": 1})")["a"], 1);
+  const auto nested = [](int depth) {
+    return "{\"a\": " + std::string(depth, '[') + std::string(depth, ']') + "}";
+  };
+  EXPECT_NO_THROW(parse_body(nested(kMaxJsonDepth - 1)));  // the object is level 1
+  EXPECT_THROW(parse_body(nested(kMaxJsonDepth)), ApiError);
 }
 
 }  // namespace
