@@ -29,6 +29,15 @@ REASONING = "Let me check the weather."
 CONTENT = "Checking."
 CALL_ID = "functions.get_weather:0"
 ARGUMENTS = '{"city": "Paris"}'
+# The assistant turn of the scripted model, Kimi markup (ints: special tokens, strings: added tokens).
+KIMI_TURN = [THINK, REASONING, END_THINK, CONTENT, SECTION_BEGIN, CALL_BEGIN, CALL_ID, ARGS_BEGIN, ARGUMENTS, CALL_END,
+             SECTION_END]
+# The same turn with DeepSeek-V3.2's DSML tool call (one added token).
+DSML_CALL = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+             '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+             '</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+DSML_TURN = [THINK, REASONING, END_THINK, CONTENT, DSML_CALL]
 # A completion prompt "Z" continues with these pieces, then ends (EOS).
 COMPLETION_PIECES = ["Hello", " world", ",", " this", " is", " kestrel", "."]
 SCRIPTED_COMPLETION = "".join(COMPLETION_PIECES)
@@ -87,20 +96,20 @@ def _f32_to_bf16(values: np.ndarray) -> bytes:
     return ((bits + 0x8000) >> 16).astype(np.uint16).tobytes()  # round to nearest (exact for our values)
 
 
-def make_scripted(directory) -> Path:
+def make_scripted(directory, turn=KIMI_TURN) -> Path:
     """A tiny kimi_k3 checkpoint whose greedy continuation of a token depends (almost) only on that token, so that
     outputs are known in advance: a huge embedding along one axis per chain token swamps every layer's output, and
     the LM head maps that axis to the next token of the chain. The vocabulary grows by one added (non-special)
     token per text below. Chains:
-      chat:        <|im_middle|> <think> REASONING </think> CONTENT <section> <call> CALL_ID <args> ARGUMENTS
-                   <call_end> <section_end> <|im_end|>
+      chat:        <|im_middle|> TURN <|im_end|>   (KIMI_TURN: <think> REASONING </think> CONTENT <section> <call>
+                   CALL_ID <args> ARGUMENTS <call_end> <section_end>)
       completion:  'Z' Hello ' world' ',' ' this' ' is' ' kestrel' '.' <|im_end|>"""
     directory = make_tiny(directory)
     config = json.loads((directory / "config.json").read_text())
     vocab = config["vocab_size"]
     tok_path = directory / "tokenizer.json"
     tok = json.loads(tok_path.read_text())
-    texts = [REASONING, CONTENT, CALL_ID, ARGUMENTS] + COMPLETION_PIECES
+    texts = [t for t in turn if isinstance(t, str)] + COMPLETION_PIECES
     ids = {t: vocab + i for i, t in enumerate(texts)}
     for t, tid in ids.items():
         tok["added_tokens"].append({"id": tid, "content": t, "single_word": False, "lstrip": False,
@@ -111,8 +120,7 @@ def make_scripted(directory) -> Path:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     completion_start = tok_ids(directory, "Z")
     chains = [
-        [IM_MIDDLE, THINK, ids[REASONING], END_THINK, ids[CONTENT], SECTION_BEGIN, CALL_BEGIN, ids[CALL_ID],
-         ARGS_BEGIN, ids[ARGUMENTS], CALL_END, SECTION_END, EOS],
+        [IM_MIDDLE] + [ids[t] if isinstance(t, str) else t for t in turn] + [EOS],
         completion_start[-1:] + [ids[p] for p in COMPLETION_PIECES] + [EOS],
     ]
     tensors, meta = _read_safetensors(directory / "model.safetensors")

@@ -194,6 +194,35 @@ def test_named_tool_choice_forces_the_call(scripted):
     assert not m.content
 
 
+@pytest.fixture(scope="module")
+def scripted_dsml(tmp_path_factory):
+    d = h.make_scripted(tmp_path_factory.mktemp("scripted_dsml"), turn=h.DSML_TURN)
+    s = h.Server(d, "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v32", "--reasoning-parser",
+                 "deepseek_v32", name="scripted")
+    yield s
+    assert s.stop() == 0
+
+
+def test_deepseek_v32_parsers_streamed_and_whole(scripted_dsml):
+    kw = dict(model="scripted", messages=USER, tools=TOOLS)
+    whole = scripted_dsml.client().chat.completions.create(**kw)
+    m = whole.choices[0].message
+    assert m.reasoning_content == h.REASONING and m.content == h.CONTENT
+    assert [t.function.name for t in m.tool_calls] == ["get_weather"]
+    assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
+    assert whole.choices[0].finish_reason == "tool_calls"
+    names, args, content = [], "", ""
+    for ch in scripted_dsml.client().chat.completions.create(stream=True, **kw):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            if t.function.name:
+                names.append(t.function.name)
+                assert t.id.startswith("call_") and m.tool_calls[0].id.startswith("call_")
+            args += t.function.arguments or ""
+    assert names == ["get_weather"] and args == m.tool_calls[0].function.arguments and content == h.CONTENT
+
+
 def test_tool_choice_none_keeps_markup_out_of_calls(scripted):
     r = scripted.client().chat.completions.create(model="scripted", messages=USER, tools=TOOLS, tool_choice="none")
     m = r.choices[0].message
