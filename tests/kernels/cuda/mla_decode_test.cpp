@@ -1,0 +1,320 @@
+// GPU tests of the dense MLA decode kernel (src/kernels/cuda/mla_decode.h) against cpu::mla_attend_absorbed over
+// the dequantised latent rows, within the bound stated in mla_decode.h: fresh random inputs per case, outputs
+// poisoned before every launch, pages scattered over a pool with unowned pages and rows past each context holding
+// NaN, contexts 1 .. 70000, one or two query tokens, both latent formats. Every launch is repeated and must give the
+// same bits.
+#include "kernels/cuda/mla_decode.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/formats.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cuda/runtime.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kC = kLatentValueDim;          // 512
+constexpr int kR = kLatentDim - kLatentValueDim;  // 64
+constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+#define REQUIRE_GPU() \
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
+
+template <typename T>
+DeviceBuffer<T> to_device(const std::vector<T>& v) {
+  DeviceBuffer<T> d(v.size());
+  d.upload(v.data());
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const DeviceBuffer<T>& d) {
+  std::vector<T> v(d.size());
+  d.download(v.data());
+  return v;
+}
+
+uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
+
+// Runs fn(0) .. fn(n - 1) on all cores.
+template <typename F>
+void parallel_for(int n, F&& fn) {
+  std::atomic<int> next{0};
+  const int workers = std::max(1u, std::min(std::thread::hardware_concurrency(), 32u));
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w)
+    pool.emplace_back([&] {
+      for (int j = next++; j < n; j = next++) fn(j);
+    });
+  for (std::thread& t : pool) t.join();
+}
+
+struct MlaCase {
+  LatentDtype dtype;
+  int heads;
+  int n_q;
+  int page_size;
+  std::vector<int> ctx;
+  float q_sigma;
+  float kv_scale;
+  bool wide_rows;  // query rows scaled by 1e-3, 1 or 3e5 (past f16's range: the per-row query scale must act)
+};
+
+std::string case_name(const ::testing::TestParamInfo<MlaCase>& info) {
+  const MlaCase& c = info.param;
+  std::string s = c.dtype == LatentDtype::bf16 ? "bf16" : "fp8";
+  s.append("_h").append(std::to_string(c.heads)).append("_nq").append(std::to_string(c.n_q));
+  s.append("_page").append(std::to_string(c.page_size)).append("_ctx");
+  for (int x : c.ctx) s.append("_").append(std::to_string(x));
+  if (c.wide_rows) s.append("_wide");
+  return s;
+}
+
+// The latent pages of a batch: each request's pages handed out in a shuffled order from a pool with three unowned
+// pages, each page followed by a 48-byte gap (as a layer's page inside a packed-cache row). Every byte that is not
+// a cached row of a request (unowned pages, gaps, rows past a context) holds a NaN pattern, so that a read of a
+// wrong row shows up as NaN.
+struct LatentPool {
+  int page_size = 0, row_bytes = 0, bt_stride = 1;
+  int64_t page_stride = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<int32_t> block_table;
+  std::vector<std::vector<float>> values;  // per request: [ctx, 576] dequantised rows (what the CPU sees)
+
+  LatentPool(std::mt19937& rng, const std::vector<int>& ctx, int page_size_, LatentDtype dtype, float kv_scale)
+      : page_size(page_size_), row_bytes(latent_row_bytes(dtype)),
+        page_stride(int64_t{page_size_} * latent_row_bytes(dtype) + 48) {
+    int total = 3;
+    for (int c : ctx) {
+      const int pages = (c + page_size - 1) / page_size;
+      bt_stride = std::max(bt_stride, pages);
+      total += pages;
+    }
+    std::vector<int32_t> order(static_cast<size_t>(total));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
+    size_t next = 0;
+    for (size_t r = 0; r < ctx.size(); ++r)
+      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
+    bytes.assign(static_cast<size_t>(total) * page_stride, 0x7F);  // e4m3 NaN codes; 0x7F7F is a bf16 NaN
+
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    values.resize(ctx.size());
+    for (size_t r = 0; r < ctx.size(); ++r) {
+      values[r].resize(static_cast<size_t>(ctx[r]) * kLatentDim);
+      for (int s = 0; s < ctx[r]; ++s) {
+        uint8_t* row = bytes.data() + int64_t{block_table[r * bt_stride + s / page_size]} * page_stride +
+                       int64_t{s % page_size} * row_bytes;
+        float* ref = values[r].data() + static_cast<size_t>(s) * kLatentDim;
+        for (int c = 0; c < kLatentDim; ++c) {
+          const float v = n(rng) * (c < kC ? 1.0f : 0.5f);
+          if (dtype == LatentDtype::fp8_e4m3) {
+            const uint8_t code = f32_to_e4m3(v / kv_scale);
+            row[c] = code;
+            ref[c] = e4m3_to_f32(code) * kv_scale;
+          } else {
+            const uint16_t b = f32_to_bf16(v / kv_scale);
+            std::memcpy(row + 2 * c, &b, 2);
+            ref[c] = bf16_to_f32(b) * kv_scale;
+          }
+        }
+      }
+    }
+  }
+};
+
+class MlaDecode : public ::testing::TestWithParam<MlaCase> {};
+
+TEST_P(MlaDecode, MatchesCpuWithinBound) {
+  REQUIRE_GPU();
+  const MlaCase& mc = GetParam();
+  const int H = mc.heads, batch = static_cast<int>(mc.ctx.size()), rows = batch * mc.n_q;
+  std::mt19937 rng(7001 + H * 31 + mc.n_q * 7 + mc.page_size + static_cast<int>(mc.ctx.back()) +
+                   (mc.dtype == LatentDtype::bf16 ? 100 : 0));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const float softmax_scale = 0.1352338f;
+  const LatentPool pool(rng, mc.ctx, mc.page_size, mc.dtype, mc.kv_scale);
+
+  std::vector<uint16_t> q(static_cast<size_t>(rows) * H * kLatentDim);
+  static const float kRowScales[] = {1e-3f, 1.0f, 3e5f};
+  for (size_t row = 0; row < q.size() / kLatentDim; ++row) {
+    const float s = mc.q_sigma * (mc.wide_rows ? kRowScales[rng() % 3] : 1.0f);
+    for (int c = 0; c < kLatentDim; ++c) q[row * kLatentDim + c] = f32_to_bf16(n(rng) * s);
+  }
+
+  const int max_ctx = *std::max_element(mc.ctx.begin(), mc.ctx.end());
+  DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
+  const DeviceBuffer<int32_t> bt_d = to_device(pool.block_table);
+  const DeviceBuffer<int32_t> ctx_d = to_device(std::vector<int32_t>(mc.ctx.begin(), mc.ctx.end()));
+  const DeviceBuffer<uint16_t> q_d = to_device(q);
+  DeviceBuffer<float> out_d(static_cast<size_t>(rows) * H * kC), lse_d(static_cast<size_t>(rows) * H);
+  const size_t ws_bytes = mla_decode_workspace_bytes(batch, mc.n_q, H, max_ctx);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+
+  MlaDecodeArgs a;
+  a.q_abs = q_d.get();
+  a.batch = batch;
+  a.n_q = mc.n_q;
+  a.heads = H;
+  a.ctx_lens = ctx_d.get();
+  a.max_ctx_len = max_ctx;
+  a.latent_dtype = mc.dtype;
+  a.latent_pages = {pool_d.get(), pool.page_stride, pool.page_size};
+  a.block_table = {bt_d.get(), pool.bt_stride};
+  a.kv_scale = mc.kv_scale;
+  a.softmax_scale = softmax_scale;
+  a.out = out_d.get();
+  a.lse = lse_d.get();
+  auto run = [&] {
+    const std::vector<float> poison_out(out_d.size(), std::bit_cast<float>(kPoisonBits));
+    const std::vector<float> poison_lse(lse_d.size(), std::bit_cast<float>(kPoisonBits));
+    out_d.upload(poison_out.data());
+    lse_d.upload(poison_lse.data());
+    mla_decode(a, ws.get(), ws_bytes, nullptr);
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    return std::make_pair(to_host(out_d), to_host(lse_d));
+  };
+  const auto [out, lse] = run();
+  const auto [out2, lse2] = run();
+  EXPECT_EQ(std::memcmp(out.data(), out2.data(), out.size() * sizeof(float)), 0) << "second launch differs (out)";
+  EXPECT_EQ(std::memcmp(lse.data(), lse2.data(), lse.size() * sizeof(float)), 0) << "second launch differs (lse)";
+
+  // Reference per query row and group of 8 heads, on all cores.
+  std::vector<float> ref(out.size()), ref_lse(lse.size()), vmax(static_cast<size_t>(rows));
+  const int head_groups = (H + 7) / 8;
+  parallel_for(rows * head_groups, [&](int job) {
+    const int row = job / head_groups, h0 = 8 * (job % head_groups), nh = std::min(8, H - h0);
+    const int r = row / mc.n_q, i = row % mc.n_q;
+    const int64_t n_kv = mc.ctx[static_cast<size_t>(r)] - mc.n_q + i + 1;
+    std::vector<float> qf(static_cast<size_t>(nh) * kLatentDim);
+    for (size_t j = 0; j < qf.size(); ++j)
+      qf[j] = bf16_to_f32(q[(static_cast<size_t>(row) * H + h0) * kLatentDim + j]);
+    cpu::mla_attend_absorbed(qf.data(), nh, kC, kR, pool.values[static_cast<size_t>(r)].data(), n_kv, nullptr, 0,
+                             softmax_scale, ref.data() + (static_cast<size_t>(row) * H + h0) * kC,
+                             ref_lse.data() + static_cast<size_t>(row) * H + h0);
+    if (h0 == 0) {
+      float m = 0.0f;
+      for (int64_t s = 0; s < n_kv; ++s)
+        for (int c = 0; c < kC; ++c) m = std::max(m, std::fabs(pool.values[static_cast<size_t>(r)][s * kLatentDim + c]));
+      vmax[static_cast<size_t>(row)] = m;
+    }
+  });
+
+  const int bound_exp = mc.dtype == LatentDtype::bf16 ? -8 : -10;
+  double worst = 0.0, worst_lse = 0.0;
+  int64_t bad = 0, bad_lse = 0, poisoned = 0;
+  for (int row = 0; row < rows; ++row) {
+    const float tol = std::ldexp(vmax[static_cast<size_t>(row)], bound_exp) + 1e-6f;
+    for (int h = 0; h < H; ++h) {
+      const size_t hq = static_cast<size_t>(row) * H + h;
+      if (bits(lse[hq]) == kPoisonBits) ++poisoned;
+      const float lerr = std::fabs(lse[hq] - ref_lse[hq]);
+      if (!(lerr <= 1e-4f * (1.0f + std::fabs(ref_lse[hq])))) {
+        if (bad_lse++ < 5)
+          ADD_FAILURE() << "lse, row " << row << " head " << h << ": " << lse[hq] << " vs " << ref_lse[hq];
+      }
+      worst_lse = std::max(worst_lse, double{lerr} / (1.0 + std::fabs(ref_lse[hq])));
+      for (int c = 0; c < kC; ++c) {
+        const float g = out[hq * kC + c], rv = ref[hq * kC + c];
+        if (bits(g) == kPoisonBits) ++poisoned;
+        const float err = std::fabs(g - rv);
+        if (!(err <= tol)) {
+          if (bad++ < 5)
+            ADD_FAILURE() << "out, row " << row << " head " << h << " col " << c << ": " << g << " vs " << rv
+                          << " (tolerance " << tol << ")";
+        }
+        worst = std::max(worst, double{err} / vmax[static_cast<size_t>(row)]);
+      }
+    }
+  }
+  EXPECT_EQ(poisoned, 0) << "outputs never written";
+  EXPECT_EQ(bad, 0) << "out elements over the bound";
+  EXPECT_EQ(bad_lse, 0) << "lse elements over the bound";
+  std::printf("mla_decode %s: largest |out error| / max|v| = %.3g (bound 2^%d = %.3g), largest lse error / (1+|lse|) "
+              "= %.3g (bound 1e-4), workspace %zu bytes\n",
+              case_name({GetParam(), 0}).c_str(), worst, bound_exp, std::ldexp(1.0, bound_exp), worst_lse, ws_bytes);
+}
+
+const LatentDtype kFp8 = LatentDtype::fp8_e4m3;
+const LatentDtype kBf16 = LatentDtype::bf16;
+const float kKimiScale = 4.0f / 448.0f;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MlaDecode,
+    ::testing::Values(MlaCase{kFp8, 128, 1, 64, {1, 63, 64, 1000, 5000}, 1.0f, kKimiScale, false},
+                      MlaCase{kFp8, 128, 2, 64, {2, 63, 64, 1000, 5000}, 1.0f, kKimiScale, false},
+                      MlaCase{kFp8, 16, 1, 16, {1, 63, 64, 1000, 5000}, 2.0f, kKimiScale, false},
+                      MlaCase{kFp8, 96, 2, 128, {63, 1000, 3}, 1.0f, kKimiScale, false},
+                      MlaCase{kFp8, 64, 1, 64, {70000}, 1.0f, kKimiScale, false},
+                      MlaCase{kFp8, 128, 2, 64, {20000, 33}, 1.0f, kKimiScale, false},
+                      MlaCase{kFp8, 32, 1, 32, {64, 1000, 5000}, 1.0f, kKimiScale, true},
+                      MlaCase{kBf16, 128, 1, 64, {1, 63, 64, 1000, 5000}, 1.0f, 1.0f, false},
+                      MlaCase{kBf16, 64, 2, 32, {2, 64, 5000}, 1.0f, 0.5f, false},
+                      MlaCase{kBf16, 32, 1, 64, {50000}, 1.0f, 1.0f, false}),
+    case_name);
+
+TEST(MlaDecodeArguments, BadArgumentsThrow) {
+  REQUIRE_GPU();
+  const DeviceBuffer<uint8_t> pages = to_device(std::vector<uint8_t>(64 * kLatentDim, 0x38));  // e4m3 1.0
+  const DeviceBuffer<int32_t> ctx = to_device(std::vector<int32_t>{64});
+  const DeviceBuffer<int32_t> table = to_device(std::vector<int32_t>{0});
+  const DeviceBuffer<uint16_t> q = to_device(std::vector<uint16_t>(kLatentDim * 16, f32_to_bf16(0.5f)));
+  DeviceBuffer<float> out(kC * 16), lse(16);
+  MlaDecodeArgs a;
+  a.q_abs = q.get();
+  a.batch = 1;
+  a.heads = 16;
+  a.ctx_lens = ctx.get();
+  a.max_ctx_len = 64;
+  a.latent_pages = {pages.get(), 64 * kLatentDim, 64};
+  a.block_table = {table.get(), 1};
+  a.kv_scale = 1.0f;
+  a.softmax_scale = 0.1f;
+  a.out = out.get();
+  a.lse = lse.get();
+  // The valid call: every row is 1.0, so every output is 1.0 and lse = log(64) + (0.5 * 576) * 0.1.
+  EXPECT_NO_THROW(mla_decode(a, nullptr, 0, nullptr));
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  for (float v : to_host(out)) EXPECT_EQ(v, 1.0f);
+  for (float v : to_host(lse)) EXPECT_NEAR(v, std::log(64.0f) + 28.8f, 1e-4f * 30.0f);
+  MlaDecodeArgs b = a;
+  b.heads = 0;
+  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  b = a;
+  b.latent_dtype = LatentDtype::bf16;  // 64 rows of 1152 bytes do not fit a page stride of 64 * 576
+  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  b = a;
+  b.latent_pages.page_size = 48;
+  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  b = a;
+  b.out = nullptr;
+  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  b = a;
+  b.kv_scale = 0.0f;
+  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  b = a;
+  b.max_ctx_len = 1 << 20;  // split over CTAs: needs a workspace
+  ASSERT_GT(mla_decode_workspace_bytes(1, 1, 16, b.max_ctx_len), 0u);
+  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace kestrel::cuda
