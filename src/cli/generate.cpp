@@ -2,7 +2,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <memory>
@@ -68,10 +67,6 @@ ModelOptions model_options(const GenerateArgs& a) {
   return o;
 }
 
-bool has_tokenizer(const std::string& dir) {
-  return std::filesystem::exists(dir + "/tokenizer.json") || std::filesystem::exists(dir + "/tiktoken.model");
-}
-
 int run_generate(GenerateArgs a) {
   if (a.prompt_ids.empty() && a.prompts.empty()) fail("generate needs --prompt TEXT or --prompt-ids IDS");
   std::vector<std::vector<int32_t>> prompts;
@@ -79,9 +74,8 @@ int run_generate(GenerateArgs a) {
     prompts.push_back(parse_ids(p, "--prompt-ids"));
     if (prompts.back().empty()) fail("--prompt-ids: no token ids given");
   }
-  // Text in and text out when the checkpoint has a tokenizer; ids alone otherwise.
   std::optional<text::Tokenizer> tokenizer;
-  if (!a.prompts.empty() || has_tokenizer(a.model_dir)) tokenizer = text::Tokenizer::load(a.model_dir);
+  if (!a.prompts.empty()) tokenizer = text::Tokenizer::load(a.model_dir);
   for (const std::string& p : a.prompts) {
     prompts.push_back(tokenizer->encode(p));
     if (prompts.back().empty()) fail("--prompt: the text encodes to no tokens");
@@ -120,10 +114,14 @@ int run_generate(GenerateArgs a) {
   int64_t generated = 0;
   for (const RequestOutput& r : outputs)
     for (const Completion& c : r.completions) {
-      std::string ids;
-      for (int32_t t : c.token_ids) ids += fmt::format("{}{}", ids.empty() ? "" : " ", t);
-      std::printf("%s\n", ids.c_str());
-      if (tokenizer) std::printf("%s\n", nlohmann::json(tokenizer->decode(c.token_ids)).dump().c_str());
+      // Each completion is printed in the form its prompt came in: ids for --prompt-ids, text for --prompt.
+      if (r.id >= static_cast<RequestId>(a.prompt_ids.size())) {
+        std::printf("%s\n", nlohmann::json(tokenizer->decode(c.token_ids)).dump().c_str());
+      } else {
+        std::string ids;
+        for (int32_t t : c.token_ids) ids += fmt::format("{}{}", ids.empty() ? "" : " ", t);
+        std::printf("%s\n", ids.c_str());
+      }
       generated += static_cast<int64_t>(c.token_ids.size());
       if (json.is_open()) {
         nlohmann::json j{{"request", r.id},        {"index", c.index},
