@@ -346,7 +346,7 @@ int main(int argc, char** argv) {
     std::printf("| %dK | %d | %d | %.1f | %.2f | %.0f%% | %.1f | %.1f | %.0f%% |", r.L / 1024, r.B, r.H, t,
                 bytes / (t * 1e-6) / 1e12, 100.0 * mem_us / t, cmp_us, roof, 100.0 * roof / t);
     if (r.H == 32) {
-      std::printf(" | | | | | |\n");
+      std::printf(" | | | | |\n");
     } else {
       const Dsa dsa(pools, shape, r.H, r.H == 128 ? 64 : 32, rng);
       const double exact = median_us([&](int i) { dsa(i, kestrel::cuda::IndexScoreMode::exact); });

@@ -535,7 +535,8 @@ struct Plan {
 
 // The split count that minimises (waves of CTAs) x (tiles per split + a fixed cost per split: the query load, the
 // pipeline start and the partial output it writes and the merge reads back), on one resident CTA per
-// multiprocessor; ties go to fewer splits.
+// multiprocessor; ties go to fewer splits. Only the smallest split count of each tiles-per-split value is a
+// candidate (larger ones give the same splits), so the search visits O(sqrt(tiles)) counts, up to 4096 splits.
 constexpr int kSplitCostTiles = 8;
 
 Plan make_plan(int batch, int n_q, int heads, int max_ctx_len) {
@@ -546,18 +547,24 @@ Plan make_plan(int batch, int n_q, int heads, int max_ctx_len) {
   const int sms = dsa::device_sm_count();
   int64_t best_cost = -1;
   plan.splits = 1;
-  for (int s = 1; s <= std::min(n_tiles, 4096); ++s) {
+  for (int s = 1; s <= std::min(n_tiles, 4096);) {
     const int per = (n_tiles + s - 1) / s;
-    if (s > 1 && (n_tiles + per - 1) / per < s) continue;  // the same split as a smaller s
     const int64_t waves = (base * s + sms - 1) / sms;
     const int64_t cost = waves * (per + kSplitCostTiles);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
       plan.splits = s;
     }
+    if (per == 1) break;
+    s = (n_tiles + per - 2) / (per - 1);  // the smallest split count with fewer tiles per split
   }
   plan.tiles_per_split = (n_tiles + plan.splits - 1) / plan.splits;
   return plan;
+}
+
+size_t workspace_bytes(const Plan& plan, int batch, int n_q, int heads) {
+  if (plan.splits == 1) return 0;
+  return static_cast<size_t>(batch) * n_q * heads * plan.splits * (kLatentValueDim + 1) * sizeof(float);
 }
 
 void check_shapes(int batch, int n_q, int heads, int max_ctx_len, const char* fn) {
@@ -596,9 +603,7 @@ namespace kestrel::cuda {
 size_t mla_decode_workspace_bytes(int batch, int n_q, int heads, int max_ctx_len) {
   mla::check_shapes(batch, n_q, heads, max_ctx_len, "mla_decode_workspace_bytes");
   if (batch == 0) return 0;
-  const mla::Plan plan = mla::make_plan(batch, n_q, heads, max_ctx_len);
-  if (plan.splits == 1) return 0;
-  return static_cast<size_t>(batch) * n_q * heads * plan.splits * (kLatentValueDim + 1) * sizeof(float);
+  return mla::workspace_bytes(mla::make_plan(batch, n_q, heads, max_ctx_len), batch, n_q, heads);
 }
 
 void mla_decode(const MlaDecodeArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -620,7 +625,7 @@ void mla_decode(const MlaDecodeArgs& a, void* workspace, size_t workspace_bytes,
   require(std::isfinite(a.kv_scale) && a.kv_scale > 0.0f && std::isfinite(a.softmax_scale),
           "mla_decode: kv_scale must be finite and > 0 and softmax_scale finite");
   const mla::Plan plan = mla::make_plan(a.batch, a.n_q, a.heads, a.max_ctx_len);
-  const size_t need = mla_decode_workspace_bytes(a.batch, a.n_q, a.heads, a.max_ctx_len);
+  const size_t need = mla::workspace_bytes(plan, a.batch, a.n_q, a.heads);
   require(workspace_bytes >= need && (need == 0 || workspace != nullptr),
           "mla_decode: workspace of " + std::to_string(workspace_bytes) + " bytes, need " + std::to_string(need));
 

@@ -290,30 +290,33 @@ TEST(MlaDecodeArguments, BadArgumentsThrow) {
   a.softmax_scale = 0.1f;
   a.out = out.get();
   a.lse = lse.get();
-  // The valid call: every row is 1.0, so every output is 1.0 and lse = log(64) + (0.5 * 576) * 0.1.
-  EXPECT_NO_THROW(mla_decode(a, nullptr, 0, nullptr));
+  // The valid call: every row is 1.0, so every output is 1.0 and lse = log(64) + (0.5 * 576) * 0.1. (Even these two
+  // tiles may be split over CTAs, so it gets the workspace it asks for.)
+  const size_t ws_bytes = mla_decode_workspace_bytes(1, 1, 16, 64);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  EXPECT_NO_THROW(mla_decode(a, ws.get(), ws_bytes, nullptr));
   KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   for (float v : to_host(out)) EXPECT_EQ(v, 1.0f);
   for (float v : to_host(lse)) EXPECT_NEAR(v, std::log(64.0f) + 28.8f, 1e-4f * 30.0f);
   MlaDecodeArgs b = a;
   b.heads = 0;
-  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  EXPECT_THROW(mla_decode(b, ws.get(), ws_bytes, nullptr), Error);
   b = a;
   b.latent_dtype = LatentDtype::bf16;  // 64 rows of 1152 bytes do not fit a page stride of 64 * 576
-  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  EXPECT_THROW(mla_decode(b, ws.get(), ws_bytes, nullptr), Error);
   b = a;
   b.latent_pages.page_size = 48;
-  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  EXPECT_THROW(mla_decode(b, ws.get(), ws_bytes, nullptr), Error);
   b = a;
   b.out = nullptr;
-  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  EXPECT_THROW(mla_decode(b, ws.get(), ws_bytes, nullptr), Error);
   b = a;
   b.kv_scale = 0.0f;
-  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  EXPECT_THROW(mla_decode(b, ws.get(), ws_bytes, nullptr), Error);
   b = a;
-  b.max_ctx_len = 1 << 20;  // split over CTAs: needs a workspace
-  ASSERT_GT(mla_decode_workspace_bytes(1, 1, 16, b.max_ctx_len), 0u);
-  EXPECT_THROW(mla_decode(b, nullptr, 0, nullptr), Error);
+  b.max_ctx_len = 1 << 20;  // split over CTAs: needs a larger workspace
+  ASSERT_GT(mla_decode_workspace_bytes(1, 1, 16, b.max_ctx_len), ws_bytes);
+  EXPECT_THROW(mla_decode(b, ws.get(), ws_bytes, nullptr), Error);
 }
 
 }  // namespace
