@@ -35,7 +35,7 @@ struct MlaDecodeArgs {
   const uint16_t* q_abs = nullptr;  // [batch * n_q, heads, 576] bf16 bits: [W_UK^T q_nope ; q_pe], 16-byte aligned
   int batch = 0;
   int n_q = 1;
-  int heads = 0;                      // 1 .. 128 (any count; rows are processed in groups of 64 (token, head) rows)
+  int heads = 0;                      // >= 1; the (token, head) rows are processed in groups of 64
   const int32_t* ctx_lens = nullptr;  // [batch]; n_q <= ctx_lens[r] <= max_ctx_len
   int max_ctx_len = 0;                // sizes the split of the context over CTAs; longer lengths are cut to it
   LatentDtype latent_dtype = LatentDtype::fp8_e4m3;
