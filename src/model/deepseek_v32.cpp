@@ -13,7 +13,7 @@ DecoderLayer load_deepseek_v32_layer(const ModelConfig& cfg, WeightLoader& w, in
   DecoderLayer out;
   out.input_norm = w.get(p + "input_layernorm.weight", {cfg.hidden_size});
   out.post_norm = w.get(p + "post_attention_layernorm.weight", {cfg.hidden_size});
-  out.mla = std::make_unique<MlaAttention>(cfg, w, p + "self_attn.", opts.latent_cache);
+  out.mla = std::make_unique<MlaAttention>(cfg, w, p + "self_attn.", opts.latent_cache, opts.index_keys);
   if (cfg.is_moe_layer(layer))
     out.moe = std::make_unique<MoE>(cfg, w, p + "mlp.", kNames);
   else

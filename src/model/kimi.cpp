@@ -17,7 +17,7 @@ DecoderLayer load_kimi_layer(const ModelConfig& cfg, WeightLoader& w, int layer,
   if (cfg.layer_kinds[layer] == LayerKind::kda)
     out.kda = std::make_unique<KdaMixer>(cfg, w, p + "self_attn.");
   else
-    out.mla = std::make_unique<MlaAttention>(cfg, w, p + "self_attn.", opts.latent_cache);
+    out.mla = std::make_unique<MlaAttention>(cfg, w, p + "self_attn.", opts.latent_cache, opts.index_keys);
   if (cfg.is_moe_layer(layer))
     out.moe = std::make_unique<MoE>(cfg, w, p + "block_sparse_moe.", kExperts);
   else

@@ -101,8 +101,9 @@ void Linear::operator()(const float* x, int64_t T, float* y) const { cpu::linear
 
 // ---------------------------------------------------------------- MLA + indexer
 
-MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& p, LatentCacheDtype latent)
-    : cfg_(cfg), latent_(latent), keys_(IndexKeyDtype::fp8) {
+MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& p, LatentCacheDtype latent,
+                           IndexKeyDtype keys)
+    : cfg_(cfg), latent_(latent), keys_(keys) {
   const int64_t D = cfg.hidden_size, H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
   const int64_t qdim = H * cfg.qk_head_dim();
   if (cfg.q_lora_rank) {
@@ -134,11 +135,6 @@ MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::s
   if (cfg.use_rope) {
     inv_freq_ = cpu::rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn ? &*cfg.yarn : nullptr);
   }
-}
-
-void MlaAttention::set_index_key_dtype(IndexKeyDtype keys) {
-  keys_ = keys;
-  index_key_bytes_ = index_key_entry_bytes(cfg_, keys);
 }
 
 void MlaAttention::write_latent(const float* kv, uint8_t* e) const {

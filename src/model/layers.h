@@ -81,10 +81,10 @@ struct Indexer {
 
 class MlaAttention {
  public:
-  MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix, LatentCacheDtype latent);
+  MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix, LatentCacheDtype latent,
+               IndexKeyDtype keys = IndexKeyDtype::fp8);
   // Index keys are FP8 unless set otherwise before the first forward (the graph builders construct the layer
   // from the weights; the key format is a cache choice made next to them).
-  void set_index_key_dtype(IndexKeyDtype keys);
   // x: [T, hidden] normed input of T new tokens at positions pages.pos0 ...; y: [T, hidden]. Writes the new
   // tokens' latent and index-key entries at their slots, then attends over positions [0, pos0 + T).
   void forward(const float* x, int64_t T, const TokenPages& pages, float* y) const;

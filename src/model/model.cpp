@@ -21,8 +21,6 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const ModelOptions& o
                                                         : load_kimi_layer(cfg, w, i, opts));
   m->final_norm_ = w.get("model.norm.weight", {cfg.hidden_size});
   if (!cfg.tie_word_embeddings) m->lm_head_ = w.get("lm_head.weight", {cfg.vocab_size, cfg.hidden_size});
-  for (DecoderLayer& L : m->layers_)
-    if (L.mla && L.mla->indexer()) L.mla->set_index_key_dtype(opts.index_keys);
   m->sequence_plan_ = plan_cache(m->cache_specs(), {.block_size = 64});
 
   // Multi-token-prediction layers (numbered from num_hidden_layers on) are not run; anything else left over is an

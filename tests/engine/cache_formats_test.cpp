@@ -79,9 +79,8 @@ class LayerFormats : public ::testing::Test {
   }
   std::unique_ptr<MlaAttention> make(LatentCacheDtype latent, IndexKeyDtype keys) {
     WeightLoader w(dir_, cfg_.weight_block_size);
-    auto l = std::make_unique<MlaAttention>(cfg_, w, "model.layers." + std::to_string(layer_) + ".self_attn.", latent);
-    l->set_index_key_dtype(keys);
-    return l;
+    return std::make_unique<MlaAttention>(cfg_, w, "model.layers." + std::to_string(layer_) + ".self_attn.", latent,
+                                          keys);
   }
   // Runs 30 tokens as a prompt of 20 and a second step of 10; returns the output and the cached latent rows.
   std::vector<float> run(const MlaAttention& l, PagedLayer& p, std::vector<float>* latent = nullptr) {
