@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kestrel_binary import kestrel_bin as _kestrel_bin
+
 import golden_numpy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,16 +46,6 @@ MAX_ATTEMPTS = 40
 REGIMES = ["sparse", "dense", "long"]
 
 
-def _kestrel_bin() -> str:
-    path = os.environ.get("KESTREL_BIN")
-    if path:
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"KESTREL_BIN={path} is not an executable")
-        return path
-    default = REPO / "build" / "src" / "kestrel"
-    if not os.access(default, os.X_OK):
-        pytest.skip(f"no kestrel binary at {default} (build it or set KESTREL_BIN)")
-    return str(default)
 
 
 def _run(cmd):

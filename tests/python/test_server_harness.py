@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kestrel_binary import kestrel_bin
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Ids of the tiny models' tokenizer (src/model/tokenizer_files.h): bytes, then the Kimi special tokens.
@@ -43,16 +45,6 @@ COMPLETION_PIECES = ["Hello", " world", ",", " this", " is", " kestrel", "."]
 SCRIPTED_COMPLETION = "".join(COMPLETION_PIECES)
 
 
-def kestrel_bin() -> str:
-    path = os.environ.get("KESTREL_BIN")
-    if path:
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"KESTREL_BIN={path} is not an executable")
-        return path
-    default = REPO / "build" / "src" / "kestrel"
-    if not os.access(default, os.X_OK):
-        pytest.skip(f"no kestrel binary at {default} (build it or set KESTREL_BIN)")
-    return str(default)
 
 
 def make_tiny(directory) -> Path:

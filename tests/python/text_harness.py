@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kestrel_binary import kestrel_bin
+
 import text_corpus
 
 STREAM_MAX_TOKENS = 200  # streaming is checked at every prefix of the first 200 tokens of each string
@@ -17,16 +19,6 @@ STREAM_MAX_TOKENS = 200  # streaming is checked at every prefix of the first 200
 REPO = Path(__file__).resolve().parents[2]
 
 
-def kestrel_bin() -> str:
-    path = os.environ.get("KESTREL_BIN")
-    if path:
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"KESTREL_BIN={path} is not an executable")
-        return path
-    default = REPO / "build" / "src" / "kestrel"
-    if not os.access(default, os.X_OK):
-        pytest.skip(f"no kestrel binary at {default} (build it or set KESTREL_BIN)")
-    return str(default)
 
 
 def batch(model_dir, requests, extra_args=()):
