@@ -23,7 +23,6 @@ Set KESTREL_BIN to the kestrel binary; the default is build/src/kestrel under th
 
 import copy
 import json
-import os
 import subprocess
 from pathlib import Path
 

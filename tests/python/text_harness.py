@@ -3,7 +3,6 @@ building tokenizer files with the reference libraries."""
 
 import base64
 import json
-import os
 import random
 import subprocess
 from pathlib import Path
