@@ -1,25 +1,73 @@
 #!/usr/bin/env bash
-# Builds and runs the CUDA KDA GPU tests and benchmark on a GPU machine that has nvcc, cmake, ninja and g++ but
-# neither the Debian -dev packages nor a network (the H200 device machine). fmt (header-only) and the googletest
-# sources in .devdeps/ (git-ignored; made by bench/gpu/make_devdeps.sh) replace the packages; carry that folder.
-# It configures the small project in this folder (CMakeLists.txt), not the top-level one, so that only the
-# dependencies of the CPU reference and the CUDA backend are needed.
-# Usage, from anywhere: bench/gpu/run_h200.sh [log-dir]   (default: $OUT, else ./out-gpu)
-# Writes env.txt, build.log, test.log, test.xml, bench.log and ncu.log to the log dir; exits non-zero if the
-# build, a test or the benchmark failed.
+# Builds the CUDA backend with every GPU test and GPU benchmark on a GPU machine that has nvcc, cmake, ninja and g++
+# but neither the Debian -dev packages nor a network (the H200 device machine), runs every GPU test and, unless
+# --tests-only, the chosen benchmarks. fmt (header-only) and the googletest sources in .devdeps/ (git-ignored; made
+# by bench/gpu/make_devdeps.sh) replace the packages; carry that folder. It configures the small project in this
+# folder (CMakeLists.txt), not the top-level one, so that only the CUDA backend's and the CPU reference's
+# dependencies are needed. The tests and benchmarks it runs are the ones that project found
+# (tests/kernels/cuda/*_test.cpp, bench/gpu/*_bench.cpp).
+# Usage, from anywhere: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|all] [--build-only] [log-dir]
+#   log-dir defaults to $OUT, else ./out-gpu. --bench NAME runs the benchmarks bench/gpu/NAME_*_bench.cpp (all:
+#   every benchmark; the default) after the tests; --tests-only runs no benchmark; --build-only stops after
+#   linking (to check the build on a machine without a GPU). Every test binary and every benchmark is capped at
+#   KESTREL_GPU_TEST_S / KESTREL_GPU_BENCH_S seconds (default 300 each). A device call allows 10 minutes: with
+#   the KDA profile and the sanitizers, `--bench all` can take longer than that; run one kind per call.
+#   With the KDA benchmark: KESTREL_KDA_PROFILE=0 skips its Nsight Compute run (default on when ncu is there; 240 s
+#   cap; ncu-kda.log).
+#   With the DSA benchmark: KESTREL_DSA_PROFILE=1 adds an Nsight Compute profile of one launch of each stage
+#   (ncu-dsa.txt); KESTREL_DSA_MEMCHECK_S caps the compute-sanitizer memcheck of small DSA cases (seconds, default
+#   75; 0 skips it; memcheck-dsa.log); KESTREL_DSA_RACECHECK=1 adds a racecheck of small cases (racecheck-dsa.log).
+#   With the MLA benchmark: KESTREL_MLA_PROFILE=1 adds an Nsight Compute profile of the dense kernel (ncu-mla.txt);
+#   KESTREL_MLA_SANITIZE_S caps each of its memcheck and racecheck runs of small cases (seconds, default 40; 0
+#   skips them; memcheck-mla.log, racecheck-mla.log).
+#   KESTREL_GPU_BUILD names the build folder (default /tmp/kestrel-gpu-build).
+# Writes env.txt, build.log, sass.txt (registers, shared memory and matrix/spill instructions per kernel), for
+# each test binary T test-T.log and test-T.xml, test.log (their summary lines), for each benchmark B bench-B.log,
+# and the profile and sanitizer logs above to the log dir. The profiles and sanitizers are informational and never
+# fail the run. Exits 0 when everything it ran passed, 1 if the build, a test or a benchmark failed, 2 on a
+# usage error.
 set -uo pipefail
+usage() {
+  echo "usage: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|all] [--build-only] [log-dir]" >&2
+  exit 2
+}
+BENCH=all
+BUILD_ONLY=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests-only) BENCH=none ;;
+    --build-only) BUILD_ONLY=1 ;;
+    --bench)
+      [ $# -ge 2 ] || usage
+      BENCH=$2
+      shift
+      ;;
+    -*) usage ;;
+    *) break ;;
+  esac
+  shift
+done
+case "$BENCH" in none | kda | dsa | mla | all) ;; *) usage ;; esac
+[ $# -le 1 ] || usage
+
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 LOGS=${1:-${OUT:-$ROOT/out-gpu}}
 DEPS=$ROOT/.devdeps
 BUILD=${KESTREL_GPU_BUILD:-/tmp/kestrel-gpu-build}
+BIN=$BUILD/kestrel
+TEST_S=${KESTREL_GPU_TEST_S:-300}
+BENCH_S=${KESTREL_GPU_BENCH_S:-300}
 mkdir -p "$LOGS"
+LOGS=$(cd "$LOGS" && pwd)
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
 GEN=()
 if command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); fi
 
 {
   date -u
+  git -C "$ROOT" log -1 --format='commit %H' 2>/dev/null
   nvidia-smi
   nvcc --version
   cmake --version | head -1
@@ -28,34 +76,103 @@ if command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); fi
 
 build() {
   set -e
-  cmake -S "$DEPS/googletest" -B "$BUILD/gtest" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
-    -DINSTALL_GTEST=ON -DCMAKE_INSTALL_PREFIX="$BUILD/gtest-install"
-  cmake --build "$BUILD/gtest" -j"$(nproc)"
-  cmake --install "$BUILD/gtest"
-  cmake -S "$ROOT/bench/gpu" -B "$BUILD/kestrel" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$DEPS;$BUILD/gtest-install"
-  cmake --build "$BUILD/kestrel" -j"$(nproc)" --target kda_cuda_test kda_cuda_bench
+  cmake -S "$ROOT/bench/gpu" -B "$BIN" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$DEPS" \
+    -DKESTREL_GTEST_SOURCE_DIR="$DEPS/googletest"
+  cmake --build "$BIN" -j"$(nproc)"
 }
 if ! (build) >"$LOGS/build.log" 2>&1; then
-  tail -40 "$LOGS/build.log"
+  grep -E "error|Error" "$LOGS/build.log" | head -40
   echo "build failed (full log: build.log)"
   exit 1
 fi
+grep -iE "warning|spill|serializ" "$LOGS/build.log" | grep -v googletest | head -20
+read -r -a TESTS < <(tr ';' ' ' <"$BIN/gpu_tests.txt")
+read -r -a ALL_BENCHES < <(tr ';' ' ' <"$BIN/gpu_benches.txt")
+echo "build ok: ${TESTS[*]} ${ALL_BENCHES[*]}"
 
-BIN=$BUILD/kestrel
-"$BIN/kda_cuda_test" --gtest_output=xml:"$LOGS/test.xml" 2>&1 | tee "$LOGS/test.log"
-test_rc=${PIPESTATUS[0]}
-"$BIN/kda_cuda_bench" 2>&1 | tee "$LOGS/bench.log"
-bench_rc=${PIPESTATUS[0]}
-# Per-kernel times and DRAM bytes from Nsight Compute, when it is there (informational: never fails the run).
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ -n "$NCU" ]; then
-  timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-    "$BIN/kda_cuda_bench" --profile >"$LOGS/ncu.log" 2>&1
-  echo "ncu exit $? (ncu.log)"
-  grep -E "kda_[a-z_]+kernel|gpu__time|dram__bytes" "$LOGS/ncu.log" | sed 's/  */ /g' | tail -30
+# Registers, shared memory and the matrix, async-copy, local-memory and barrier instructions of each kernel.
+OBJDUMP=$(command -v cuobjdump || echo "$CUDA_HOME/bin/cuobjdump")
+if [ -x "$OBJDUMP" ]; then
+  find "$BIN/CMakeFiles/kestrel_kernels_cuda.dir" -name '*.cu.o' | sort | while read -r o; do
+    echo "== $(basename "$o" .cu.o)"
+    "$OBJDUMP" --dump-resource-usage "$o" 2>&1 | grep -E "Function|REG|SHARED" | sed 's/^ *//'
+    "$OBJDUMP" --dump-sass "$o" 2>/dev/null |
+      awk '/Function :/{f=$3} /(HMMA|IMMA|QMMA|HGMMA|LDGSTS|LDL|STL|WARPSYNC|BAR)/{match($0,/(HMMA|IMMA|QMMA|HGMMA|LDGSTS|LDL|STL|WARPSYNC|BAR)[.A-Z0-9x]*/); n[f" "substr($0,RSTART,RLENGTH)]++} END{for(k in n) print n[k], k}' |
+      sort -k2
+  done >"$LOGS/sass.txt" 2>&1
 fi
-grep -E "largest relative error|relative error o|PASSED|FAILED" "$LOGS/test.log"
-cat "$LOGS/bench.log"
-echo "kda_cuda_test exit $test_rc, kda_cuda_bench exit $bench_rc"
-[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$BUILD_ONLY" = 1 ] && exit 0
+
+failed=()
+: >"$LOGS/test.log"
+for t in "${TESTS[@]}"; do
+  timeout "$TEST_S" "$BIN/$t" --gtest_output=xml:"$LOGS/test-$t.xml" >"$LOGS/test-$t.log" 2>&1
+  rc=$?
+  {
+    echo "== $t exit $rc"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |largest|relative error o|Failure|error:|Expected|Which is|differs|first differing" \
+      "$LOGS/test-$t.log" | head -60
+  } | tee -a "$LOGS/test.log"
+  [ "$rc" = 0 ] || failed+=("$t")
+done
+
+BENCHES=()
+for b in "${ALL_BENCHES[@]}"; do
+  if [ "$BENCH" = all ] || [[ "$b" == "$BENCH"_* ]]; then BENCHES+=("$b"); fi
+done
+for b in "${BENCHES[@]}"; do
+  echo "== $b"
+  timeout "$BENCH_S" "$BIN/$b" 2>&1 | tee "$LOGS/bench-$b.log"
+  rc=${PIPESTATUS[0]}
+  echo "$b exit $rc"
+  [ "$rc" = 0 ] || failed+=("$b")
+done
+
+runs() { [ "$BENCH" = all ] || [ "$BENCH" = "$1" ]; }
+SAN=$(command -v compute-sanitizer || ls "$CUDA_HOME"/bin/compute-sanitizer 2>/dev/null | head -1)
+NCU=$(command -v ncu || ls "$CUDA_HOME"/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if runs kda && [ -n "$NCU" ] && [ "${KESTREL_KDA_PROFILE:-1}" = 1 ]; then
+  timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+    "$BIN/kda_cuda_bench" --profile >"$LOGS/ncu-kda.log" 2>&1
+  echo "kda ncu exit $? (ncu-kda.log)"
+  grep -E "kda_[a-z_]+kernel|gpu__time|dram__bytes" "$LOGS/ncu-kda.log" | sed 's/  */ /g' | tail -30
+fi
+DSA_MEMCHECK_S=${KESTREL_DSA_MEMCHECK_S:-75}
+if runs dsa && [ -n "$SAN" ] && [ "$DSA_MEMCHECK_S" != 0 ]; then
+  timeout "$DSA_MEMCHECK_S" "$SAN" --tool memcheck --error-exitcode 3 "$BIN/dsa_kernels_test" \
+    --gtest_filter='DsaIndexKeyWriter.*:DsaTopk.Speculative*:*DsaIndexScores*/0:*DsaSparseMla*/4' \
+    >"$LOGS/memcheck-dsa.log" 2>&1
+  echo "dsa memcheck exit $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck-dsa.log" | tail -1))"
+  if [ "${KESTREL_DSA_RACECHECK:-0}" = 1 ]; then
+    timeout 45 "$SAN" --tool racecheck --error-exitcode 3 "$BIN/dsa_kernels_test" \
+      --gtest_filter='DsaTopk.Speculative*:*DsaIndexScores*/1:*DsaSparseMla*/4' >"$LOGS/racecheck-dsa.log" 2>&1
+    echo "dsa racecheck exit $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck-dsa.log" | tail -1))"
+  fi
+fi
+if runs dsa && [ -n "$NCU" ] && [ "${KESTREL_DSA_PROFILE:-0}" = 1 ]; then
+  timeout 90 "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section Occupancy -k regex:'index_scores|topk_kernel|sparse_mla' \
+    "$BIN/dsa_decode_bench" --profile >"$LOGS/ncu-dsa.txt" 2>&1
+  echo "dsa ncu exit $? (ncu-dsa.txt)"
+fi
+MLA_SANITIZE_S=${KESTREL_MLA_SANITIZE_S:-40}
+if runs mla && [ -n "$SAN" ] && [ "$MLA_SANITIZE_S" != 0 ]; then
+  timeout "$MLA_SANITIZE_S" "$SAN" --tool memcheck --error-exitcode 3 "$BIN/mla_decode_test" \
+    --gtest_filter='*fp8_h16_*:*bf16_h64_*:MlaDecodeArguments.*' >"$LOGS/memcheck-mla.log" 2>&1
+  echo "mla memcheck exit $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck-mla.log" | tail -1))"
+  timeout "$MLA_SANITIZE_S" "$SAN" --tool racecheck --error-exitcode 3 "$BIN/mla_decode_test" \
+    --gtest_filter='*fp8_h96_*:MlaDecodeArguments.*' >"$LOGS/racecheck-mla.log" 2>&1
+  echo "mla racecheck exit $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck-mla.log" | tail -1))"
+fi
+if runs mla && [ -n "$NCU" ] && [ "${KESTREL_MLA_PROFILE:-0}" = 1 ]; then
+  timeout 50 "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats -k regex:'mla_decode_kernel' \
+    "$BIN/mla_decode_bench" --profile >"$LOGS/ncu-mla.txt" 2>&1
+  echo "mla ncu exit $? (ncu-mla.txt)"
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}"
+  exit 1
+fi
+echo "all passed: ${TESTS[*]} ${BENCHES[*]}"
