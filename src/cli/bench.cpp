@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/bench_offline.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "server/bench_serve.h"
@@ -124,7 +125,8 @@ Runner add_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--agentic-think-time", o.agentic_think_time, "mean seconds between turns")->capture_default_str();
   cmd->add_option("--request-timeout", o.timeout, "seconds per request")->capture_default_str();
-  return [cmd, a]() { return cmd->parsed() ? run_bench_serve(*a) : -1; };
+  const Runner offline = add_bench_offline(*bench);
+  return [cmd, a, offline]() { return cmd->parsed() ? run_bench_serve(*a) : offline(); };
 }
 
 }  // namespace kestrel::cli

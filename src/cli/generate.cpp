@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/engine_flags.h"
 #include "core/error.h"
 #include "core/npy.h"
 #include "engine/engine.h"
@@ -45,27 +46,12 @@ std::vector<int32_t> parse_ids(const std::string& s, const char* flag) {
 }
 
 struct GenerateArgs {
-  std::string model_dir, dump_logits, output_json, kv_cache_dtype = "auto", index_dtype = "fp8";
-  std::string kda_prefill = "chunked", stop_token_ids;
+  std::string model_dir, dump_logits, output_json, stop_token_ids;
   std::vector<std::string> prompt_ids;
   std::vector<std::string> prompts;  // text, encoded with the checkpoint's tokenizer
   SamplingParams sampling;
-  EngineConfig engine;
-  int64_t cache_mib = 256;
-  bool no_prefix_caching = false;
+  EngineFlags flags;
 };
-
-ModelOptions model_options(const GenerateArgs& a) {
-  ModelOptions o;
-  if (a.kv_cache_dtype == "fp8") o.latent_cache = LatentCacheDtype::fp8;
-  else if (a.kv_cache_dtype == "nvfp4") o.latent_cache = LatentCacheDtype::nvfp4;
-  else if (a.kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", a.kv_cache_dtype);
-  if (a.index_dtype == "mxfp4") o.index_keys = IndexKeyDtype::mxfp4;
-  else if (a.index_dtype != "fp8") fail("--index-dtype '{}' is not one of fp8, mxfp4", a.index_dtype);
-  if (a.kda_prefill == "recurrent") o.kda_chunked_prefill = false;
-  else if (a.kda_prefill != "chunked") fail("--kda-prefill '{}' is not one of chunked, recurrent", a.kda_prefill);
-  return o;
-}
 
 int run_generate(GenerateArgs a) {
   if (a.prompt_ids.empty() && a.prompts.empty()) fail("generate needs --prompt TEXT or --prompt-ids IDS");
@@ -84,23 +70,13 @@ int run_generate(GenerateArgs a) {
   if (dump && (prompts.size() != 1 || a.sampling.n != 1))
     fail("--dump-logits writes the logits of one sequence: give one --prompt-ids and --n 1");
   if (!a.stop_token_ids.empty()) a.sampling.stop_token_ids = parse_ids(a.stop_token_ids, "--stop-token-ids");
-  a.engine.cache_bytes = a.cache_mib << 20;
-  a.engine.enable_prefix_caching = !a.no_prefix_caching;
 
   const auto t0 = std::chrono::steady_clock::now();
-  const auto model = Model::load(a.model_dir, model_options(a));
+  const auto model = Model::load(a.model_dir, a.flags.model_options());
   const ModelConfig& cfg = model->config();
   const auto t1 = std::chrono::steady_clock::now();
-  Engine engine(*model, a.engine);
-  const CachePlan& plan = engine.cache_plan();
-  const int32_t rows = engine.cache().pool().num_rows();
-  std::fprintf(stderr,
-               "[kestrel] cache: %d rows of %lld B (%.1f MiB), B = %d, %lld B per token, %d state row(s) per request; "
-               "max_model_len %lld: %lld full-length sequence(s) fit\n",
-               rows, static_cast<long long>(plan.row_bytes), rows * static_cast<double>(plan.row_bytes) / (1 << 20),
-               plan.block_size, static_cast<long long>(plan.token_bytes), plan.state_rows_per_request,
-               static_cast<long long>(engine.max_model_len()),
-               static_cast<long long>(rows / plan.rows_per_request(engine.max_model_len())));
+  Engine engine(*model, a.flags.engine_config());
+  print_cache_plan(engine);
 
   for (auto& p : prompts) engine.add_request(p, a.sampling, 0, dump);
   const std::vector<RequestOutput> outputs = engine.run_to_completion();
@@ -163,7 +139,6 @@ Runner add_generate(CLI::App& app) {
   auto* gen = app.add_subcommand("generate", "offline generation of many prompts at once through the engine (CPU)");
   auto g = std::make_shared<GenerateArgs>();
   SamplingParams& s = g->sampling;
-  EngineConfig& e = g->engine;
   gen->add_option("model_dir", g->model_dir, "checkpoint directory")->required();
   gen->add_option("--prompt-ids", g->prompt_ids, "comma-separated token ids of one prompt; repeat for more prompts");
   gen->add_option("--prompt", g->prompts, "prompt text, encoded with the checkpoint's tokenizer; repeat for more");
@@ -180,17 +155,7 @@ Runner add_generate(CLI::App& app) {
   gen->add_option("--logprobs", s.logprobs, "log-probabilities with this many top alternatives (in --output-json)");
   gen->add_option("--stop-token-ids", g->stop_token_ids, "comma-separated ids that end a completion");
   gen->add_flag("--ignore-eos", s.ignore_eos, "do not stop at the end-of-sequence token");
-  gen->add_option("--kv-cache-dtype", g->kv_cache_dtype, "MLA latent cache: auto (fp32 on the CPU) | fp8 | nvfp4");
-  gen->add_option("--index-dtype", g->index_dtype, "DSA index keys: fp8 | mxfp4");
-  gen->add_option("--kda-prefill", g->kda_prefill,
-                  "chunked (default) | recurrent (token by token everywhere: every split is bit-exact)");
-  gen->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
-      ->capture_default_str();
-  gen->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
-  gen->add_option("--cache-mib", g->cache_mib, "cache pool size")->capture_default_str();
-  gen->add_option("--block-size", e.block_size, "tokens per cache row (power of two; 0: the planner's choice)");
-  gen->add_option("--max-model-len", e.max_model_len, "longest sequence (0: the model's max_position_embeddings)");
-  gen->add_flag("--no-prefix-caching", g->no_prefix_caching, "do not reuse cached prefixes");
+  add_engine_flags(*gen, g->flags);
   gen->add_option("--dump-logits", g->dump_logits, "write fp32 logits [positions, vocab] of one sequence as .npy");
   gen->add_option("--output-json", g->output_json, "write one JSON object per completion (JSON Lines)");
   return [gen, g]() { return gen->parsed() ? run_generate(*g) : -1; };

@@ -1,0 +1,55 @@
+#include "cli/engine_flags.h"
+
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace kestrel::cli {
+
+ModelOptions EngineFlags::model_options() const {
+  ModelOptions o;
+  if (kv_cache_dtype == "fp8") o.latent_cache = LatentCacheDtype::fp8;
+  else if (kv_cache_dtype == "nvfp4") o.latent_cache = LatentCacheDtype::nvfp4;
+  else if (kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", kv_cache_dtype);
+  if (index_dtype == "mxfp4") o.index_keys = IndexKeyDtype::mxfp4;
+  else if (index_dtype != "fp8") fail("--index-dtype '{}' is not one of fp8, mxfp4", index_dtype);
+  if (kda_prefill == "recurrent") o.kda_chunked_prefill = false;
+  else if (kda_prefill != "chunked") fail("--kda-prefill '{}' is not one of chunked, recurrent", kda_prefill);
+  return o;
+}
+
+EngineConfig EngineFlags::engine_config() const {
+  EngineConfig e = engine;
+  e.cache_bytes = cache_mib << 20;
+  e.enable_prefix_caching = !no_prefix_caching;
+  return e;
+}
+
+void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
+  EngineConfig& e = f.engine;
+  cmd.add_option("--kv-cache-dtype", f.kv_cache_dtype, "MLA latent cache: auto (fp32 on the CPU) | fp8 | nvfp4");
+  cmd.add_option("--index-dtype", f.index_dtype, "DSA index keys: fp8 | mxfp4");
+  cmd.add_option("--kda-prefill", f.kda_prefill,
+                 "chunked (default) | recurrent (token by token everywhere: every split is bit-exact)");
+  cmd.add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
+      ->capture_default_str();
+  cmd.add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
+  cmd.add_option("--cache-mib", f.cache_mib, "cache pool size")->capture_default_str();
+  cmd.add_option("--block-size", e.block_size, "tokens per cache row (power of two; 0: the planner's choice)");
+  cmd.add_option("--max-model-len", e.max_model_len, "longest sequence (0: the model's max_position_embeddings)");
+  cmd.add_flag("--no-prefix-caching", f.no_prefix_caching, "do not reuse cached prefixes");
+}
+
+void print_cache_plan(const Engine& engine) {
+  const CachePlan& plan = engine.cache_plan();
+  const int32_t rows = engine.cache().pool().num_rows();
+  std::fprintf(stderr,
+               "[kestrel] cache: %d rows of %lld B (%.1f MiB), B = %d, %lld B per token, %d state row(s) per request; "
+               "max_model_len %lld: %lld full-length sequence(s) fit\n",
+               rows, static_cast<long long>(plan.row_bytes), rows * static_cast<double>(plan.row_bytes) / (1 << 20),
+               plan.block_size, static_cast<long long>(plan.token_bytes), plan.state_rows_per_request,
+               static_cast<long long>(engine.max_model_len()),
+               static_cast<long long>(rows / plan.rows_per_request(engine.max_model_len())));
+}
+
+}  // namespace kestrel::cli
