@@ -87,17 +87,19 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& model_dir, const st
   fail("{} has no chat template (pass --chat-template FILE)", model_dir);
 }
 
+// The request's JSON goes straight into template values, never through a copy of the JSON: copying (like dump())
+// recurses once per nesting level, while from_json refuses values nested deeper than jinja::kMaxValueDepth.
 std::string ChatTemplate::render(const ordered_json& messages, const ordered_json& tools, bool add_generation_prompt,
                                   const ordered_json& extra) const {
   if (!messages.is_array()) fail("chat messages must be a list");
-  ordered_json ctx = ordered_json::object();
-  ctx["messages"] = messages;
-  ctx["tools"] = tools;
-  ctx["documents"] = nullptr;
-  ctx["add_generation_prompt"] = add_generation_prompt;
+  jinja::DictData d = base_;
+  d.set("messages", jinja::Value::from_json(messages));
+  d.set("tools", jinja::Value::from_json(tools));
+  d.set("documents", jinja::Value::none());
+  d.set("add_generation_prompt", jinja::Value(add_generation_prompt));
   if (extra.is_object())
-    for (const auto& [k, v] : extra.items()) ctx[k] = v;
-  return render_context(ctx);
+    for (const auto& [k, v] : extra.items()) d.set(k, jinja::Value::from_json(v));
+  return tmpl_.render(d);
 }
 
 std::string ChatTemplate::render_context(const ordered_json& context) const {

@@ -13,6 +13,17 @@ namespace kestrel::text::jinja {
 
 namespace {
 
+// How deeply a template's source may nest blocks ({% if %} in {% for %} ...) and, separately, expressions
+// (parentheses, operators, `a.b[c]`, filter chains): parsing, evaluating and destroying the syntax tree recurse
+// once per level. Published chat templates nest blocks under ten deep and expressions under twenty; 128 leaves a
+// wide margin while keeping a render, even through recursive macros, far inside an 8 MB stack.
+constexpr int kMaxTemplateNesting = 128;
+
+// Each call of a recursive macro stacks another render of its body, up to kMaxTemplateNesting blocks and
+// expression levels deep: about 55 KB of stack per call at full nesting (Release, x86-64). 64 calls stay under
+// 4 MB; recursive macros in chat templates follow a tool schema's nesting, a few levels.
+constexpr int kMaxMacroRecursion = 64;
+
 // ---------------------------------------------------------------------------------------------------------------
 // Lexer
 
@@ -382,6 +393,7 @@ enum class Flow { normal, brk, cont };
 
 struct Expr {
   int line = 0;
+  int height = 1;  // levels of the expression tree under and including this node
   virtual ~Expr() = default;
   virtual Value eval(Ctx& c) const = 0;
 };
@@ -829,7 +841,7 @@ struct MacroNode : Node {
     return Flow::normal;
   }
   Value call(Ctx& c, CallArgs& a) const {
-    if (++c.macro_depth > 200) fail("macro recursion too deep");
+    if (++c.macro_depth > kMaxMacroRecursion) fail("macro recursion deeper than {}", kMaxMacroRecursion);
     Frame frame;
     frame.parent = c.root;
     Frame* saved = c.frame;
@@ -995,7 +1007,8 @@ class Parser {
   }
 
   NodePtr parse_statement() {
-    if (++block_depth_ > 200) syntax_error(peek().line, "blocks nested too deeply");
+    if (++block_depth_ > kMaxTemplateNesting)
+      syntax_error(peek().line, fmt::format("blocks nesting deeper than {}", kMaxTemplateNesting));
     struct Leave {
       int& d;
       ~Leave() { --d; }
@@ -1200,31 +1213,55 @@ class Parser {
     if (!is_op(",")) return first;
     auto t = make<ListExpr>(line);
     t->tuple = true;
-    t->items.push_back(std::move(first));
+    t->items.push_back(adopt(*t, std::move(first)));
     while (is_op(",")) {
       ++i_;
       if (peek().type == T::var_end || peek().type == T::block_end) break;
-      t->items.push_back(parse_expr());
+      t->items.push_back(adopt(*t, parse_expr()));
     }
     return t;
   }
 
+  // Guards one level of parser recursion inside an expression.
+  struct Nested {
+    Parser& p;
+    explicit Nested(Parser& parser) : p(parser) {
+      if (++p.expr_depth_ > kMaxTemplateNesting)
+        syntax_error(p.peek().line, fmt::format("expressions nesting deeper than {}", kMaxTemplateNesting));
+    }
+    ~Nested() { --p.expr_depth_; }
+    Nested(const Nested&) = delete;
+    Nested& operator=(const Nested&) = delete;
+  };
+
+  // Hangs `child` under `parent`. Loops build chains such as `a.b.c`, `x|f|g` and `a + b + c` without parser
+  // recursion, so the tree height is bounded here too: evaluating and destroying it recurse once per level.
+  ExprPtr adopt(Expr& parent, ExprPtr child) {
+    if (child) {
+      parent.height = std::max(parent.height, child->height + 1);
+      if (parent.height > kMaxTemplateNesting)
+        syntax_error(parent.line, fmt::format("expressions nesting deeper than {}", kMaxTemplateNesting));
+    }
+    return child;
+  }
+  Args adopt_args(Expr& parent, Args a) {
+    for (ExprPtr& e : a.pos) e = adopt(parent, std::move(e));
+    for (auto& kv : a.kw) kv.second = adopt(parent, std::move(kv.second));
+    return a;
+  }
+
   ExprPtr parse_expr() {
     const int line = peek().line;
-    if (++expr_depth_ > 200) syntax_error(line, "expression nested too deeply");
-    struct Leave {
-      int& d;
-      ~Leave() { --d; }
-    } leave{expr_depth_};
+    const Nested nested(*this);
     ExprPtr e = parse_or();
     while (is_name("if")) {
       ++i_;
       auto c = make<CondExpr>(line);
-      c->yes = std::move(e);
-      c->cond = parse_or();
+      c->yes = adopt(*c, std::move(e));
+      c->cond = adopt(*c, parse_or());
       if (is_name("else")) {
         ++i_;
-        c->no = parse_expr();
+        c->no = adopt(*c, parse_expr());
       }
       e = std::move(c);
     }
@@ -1237,8 +1274,8 @@ class Parser {
       const int line = next().line;
       auto n = make<Logic>(line);
       n->is_and = false;
-      n->l = std::move(l);
-      n->r = parse_and();
+      n->l = adopt(*n, std::move(l));
+      n->r = adopt(*n, parse_and());
       l = std::move(n);
     }
     return l;
@@ -1250,8 +1287,8 @@ class Parser {
       const int line = next().line;
       auto n = make<Logic>(line);
       n->is_and = true;
-      n->l = std::move(l);
-      n->r = parse_not();
+      n->l = adopt(*n, std::move(l));
+      n->r = adopt(*n, parse_not());
       l = std::move(n);
     }
     return l;
@@ -1259,10 +1296,11 @@ class Parser {
 
   ExprPtr parse_not() {
     if (is_name("not")) {
+      const Nested nested(*this);
       const int line = next().line;
       auto n = make<Unary>(line);
       n->op = '!';
-      n->e = parse_not();
+      n->e = adopt(*n, parse_not());
       return n;
     }
     return parse_compare();
@@ -1290,7 +1328,8 @@ class Parser {
     }
     if (rest.empty()) return first;
     auto c = make<Compare>(line);
-    c->first = std::move(first);
+    c->first = adopt(*c, std::move(first));
+    for (auto& [op, e] : rest) e = adopt(*c, std::move(e));
     c->rest = std::move(rest);
     return c;
   }
@@ -1298,8 +1337,8 @@ class Parser {
   ExprPtr binary_node(const std::string& op, ExprPtr l, ExprPtr r, int line) {
     auto n = make<Binary>(line);
     n->op = op;
-    n->l = std::move(l);
-    n->r = std::move(r);
+    n->l = adopt(*n, std::move(l));
+    n->r = adopt(*n, std::move(r));
     return n;
   }
 
@@ -1342,10 +1381,11 @@ class Parser {
   ExprPtr parse_unary(bool with_filter) {
     ExprPtr e;
     if (is_op("-") || is_op("+")) {
+      const Nested nested(*this);
       const Token& t = next();
       auto u = make<Unary>(t.line);
       u->op = t.value[0];
-      u->e = parse_unary(false);
+      u->e = adopt(*u, parse_unary(false));
       e = std::move(u);
     } else {
       e = parse_primary();
@@ -1404,11 +1444,11 @@ class Parser {
       if (is_op(",")) {
         auto tup = make<ListExpr>(line);
         tup->tuple = true;
-        tup->items.push_back(std::move(e));
+        tup->items.push_back(adopt(*tup, std::move(e)));
         while (is_op(",")) {
           ++i_;
           if (is_op(")")) break;
-          tup->items.push_back(parse_expr());
+          tup->items.push_back(adopt(*tup, parse_expr()));
         }
         e = std::move(tup);
       }
@@ -1419,7 +1459,7 @@ class Parser {
       const int line = next().line;
       auto l = make<ListExpr>(line);
       while (!is_op("]")) {
-        l->items.push_back(parse_expr());
+        l->items.push_back(adopt(*l, parse_expr()));
         if (!is_op(",")) break;
         ++i_;
       }
@@ -1430,9 +1470,9 @@ class Parser {
       const int line = next().line;
       auto d = make<DictExpr>(line);
       while (!is_op("}")) {
-        ExprPtr k = parse_expr();
+        ExprPtr k = adopt(*d, parse_expr());
         expect_op(":");
-        d->items.emplace_back(std::move(k), parse_expr());
+        d->items.emplace_back(std::move(k), adopt(*d, parse_expr()));
         if (!is_op(",")) break;
         ++i_;
       }
@@ -1468,17 +1508,17 @@ class Parser {
         const int line = next().line;
         if (peek().type == T::integer) {
           auto g = make<GetItem>(line);
-          g->obj = std::move(e);
+          g->obj = adopt(*g, std::move(e));
           auto k = make<Literal>(line);
           const Token& num = next();
           const auto index = parse_int64(num.value);
           if (!index) syntax_error(num.line, fmt::format("index '{}' is out of range", num.value));
           k->v = Value(*index);
-          g->key = std::move(k);
+          g->key = adopt(*g, std::move(k));
           e = std::move(g);
         } else {
           auto g = make<GetAttr>(line);
-          g->obj = std::move(e);
+          g->obj = adopt(*g, std::move(e));
           g->name = expect_name();
           e = std::move(g);
         }
@@ -1499,22 +1539,22 @@ class Parser {
         expect_op("]");
         if (slice) {
           auto s = make<SliceExpr>(line);
-          s->obj = std::move(e);
-          s->start = std::move(start);
-          s->stop = std::move(stop);
-          s->step = std::move(step);
+          s->obj = adopt(*s, std::move(e));
+          s->start = adopt(*s, std::move(start));
+          s->stop = adopt(*s, std::move(stop));
+          s->step = adopt(*s, std::move(step));
           e = std::move(s);
         } else {
           auto g = make<GetItem>(line);
-          g->obj = std::move(e);
-          g->key = std::move(start);
+          g->obj = adopt(*g, std::move(e));
+          g->key = adopt(*g, std::move(start));
           e = std::move(g);
         }
       } else if (is_op("(")) {
         const int line = peek().line;
         auto c = make<Call>(line);
-        c->callee = std::move(e);
-        c->args = parse_call_args();
+        c->callee = adopt(*c, std::move(e));
+        c->args = adopt_args(*c, parse_call_args());
         e = std::move(c);
       } else {
         return e;
@@ -1530,11 +1570,11 @@ class Parser {
       name += "." + expect_name();
     }
     auto f = make<FilterExpr>(line);
-    f->input = std::move(input);
+    f->input = adopt(*f, std::move(input));
     f->name = name;
     f->filter = find_filter(name);
     if (!f->filter) syntax_error(line, fmt::format("no filter named '{}'", name));
-    if (is_op("(")) f->args = parse_call_args();
+    if (is_op("(")) f->args = adopt_args(*f, parse_call_args());
     return f;
   }
 
@@ -1557,21 +1597,21 @@ class Parser {
         else syntax_error(line, "expected a test name after 'is'");
         t->test = find_test(t->name);
         if (!t->test) syntax_error(line, fmt::format("no test named '{}'", t->name));
-        t->input = std::move(e);
+        t->input = adopt(*t, std::move(e));
         if (is_op("(")) {
-          t->args = parse_call_args();
+          t->args = adopt_args(*t, parse_call_args());
         } else if (peek().type == T::string || peek().type == T::integer || peek().type == T::floating ||
                    is_op("[") || is_op("{") ||
                    (peek().type == T::name && !is_name("else") && !is_name("or") && !is_name("and") &&
                     !is_name("if") && !is_name("in") && !is_name("not") && !is_name("is"))) {
-          t->args.pos.push_back(parse_primary_with_postfix());
+          t->args.pos.push_back(adopt(*t, parse_primary_with_postfix()));
         }
         e = std::move(t);
       } else if (is_op("(")) {
         const int line = peek().line;
         auto c = make<Call>(line);
-        c->callee = std::move(e);
-        c->args = parse_call_args();
+        c->callee = adopt(*c, std::move(e));
+        c->args = adopt_args(*c, parse_call_args());
         e = std::move(c);
       } else {
         return e;

@@ -11,6 +11,44 @@
 
 namespace kestrel::text::jinja {
 
+namespace {
+
+// `depth` counts the lists/dicts enclosing the one about to be entered.
+void check_depth(int depth, std::string_view what) {
+  if (depth >= kMaxValueDepth) fail("{}: lists/dicts nesting deeper than {}", what, kMaxValueDepth);
+}
+
+}  // namespace
+
+ListData::ListData(std::vector<Value> list_items, bool is_tuple) : items(std::move(list_items)), tuple(is_tuple) {}
+
+ListData::~ListData() { Value::release(items); }
+
+DictData::~DictData() {
+  std::vector<Value> pending;
+  for (auto& kv : items)
+    if (kv.second.is_list() || kv.second.is_dict()) pending.push_back(std::move(kv.second));
+  Value::release(pending);
+}
+
+void Value::release(std::vector<Value>& pending) {
+  while (!pending.empty()) {
+    Value v = std::move(pending.back());
+    pending.pop_back();
+    // Only a sole owner may empty a container; a shared one is released by its last owner, the same way.
+    if (v.list_ && v.list_.use_count() == 1) {
+      for (Value& e : v.list_->items)
+        if (e.list_ || e.dict_) pending.push_back(std::move(e));
+      v.list_->items.clear();
+    }
+    if (v.dict_ && v.dict_.use_count() == 1) {
+      for (auto& kv : v.dict_->items)
+        if (kv.second.list_ || kv.second.dict_) pending.push_back(std::move(kv.second));
+      v.dict_->items.clear();
+    }
+  }
+}
+
 const Value* DictData::find(std::string_view key) const {
   for (const auto& [k, v] : items)
     if (k == key) return &v;
@@ -48,7 +86,7 @@ Value::Value(std::string s) : kind_(Kind::string), s_(std::make_shared<std::stri
 Value Value::list(std::vector<Value> items, bool tuple) {
   Value v;
   v.kind_ = Kind::list;
-  v.list_ = std::make_shared<ListData>(ListData{std::move(items), tuple});
+  v.list_ = std::make_shared<ListData>(std::move(items), tuple);
   return v;
 }
 
@@ -66,7 +104,9 @@ Value Value::function(std::string name, Function fn) {
   return v;
 }
 
-Value Value::from_json(const nlohmann::ordered_json& j) {
+Value Value::from_json(const nlohmann::ordered_json& j) { return from_json_at(j, 0); }
+
+Value Value::from_json_at(const nlohmann::ordered_json& j, int depth) {
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return none();
     case nlohmann::ordered_json::value_t::boolean: return Value(j.get<bool>());
@@ -79,16 +119,18 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::number_float: return Value(j.get<double>());
     case nlohmann::ordered_json::value_t::string: return Value(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
+      check_depth(depth, "template data");
       std::vector<Value> items;
-      for (const auto& e : j) items.push_back(from_json(e));
+      for (const auto& e : j) items.push_back(from_json_at(e, depth + 1));
       return list(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
+      check_depth(depth, "template data");
       DictData d;
-      for (const auto& [k, e] : j.items()) d.items.emplace_back(k, from_json(e));
+      for (const auto& [k, e] : j.items()) d.items.emplace_back(k, from_json_at(e, depth + 1));
       return dict(std::move(d));
     }
-    default: fail("template data: unsupported JSON value {}", j.dump());
+    default: fail("template data: unsupported JSON value of type {}", j.type_name());
   }
 }
 
@@ -222,20 +264,25 @@ std::string python_string_repr(const std::string& s) {
   return out + q;
 }
 
-std::string Value::repr() const {
+std::string Value::repr() const { return repr_at(0); }
+
+std::string Value::repr_at(int depth) const {
   switch (kind_) {
     case Kind::string: return python_string_repr(*s_);
     case Kind::list: {
+      check_depth(depth, "printing a value");
       std::string out = list_->tuple ? "(" : "[";
-      for (size_t i = 0; i < list_->items.size(); ++i) out += (i ? ", " : "") + list_->items[i].repr();
+      for (size_t i = 0; i < list_->items.size(); ++i) out += (i ? ", " : "") + list_->items[i].repr_at(depth + 1);
       if (list_->tuple && list_->items.size() == 1) out += ",";
       return out + (list_->tuple ? ")" : "]");
     }
     case Kind::dict: {
       if (dict_->is_namespace) return "<Namespace>";
+      check_depth(depth, "printing a value");
       std::string out = "{";
       for (size_t i = 0; i < dict_->items.size(); ++i)
-        out += (i ? ", " : "") + python_string_repr(dict_->items[i].first) + ": " + dict_->items[i].second.repr();
+        out += (i ? ", " : "") + python_string_repr(dict_->items[i].first) + ": " +
+               dict_->items[i].second.repr_at(depth + 1);
       return out + "}";
     }
     default: return to_str();
@@ -255,7 +302,9 @@ std::string Value::to_str() const {
   }
 }
 
-bool equals(const Value& a, const Value& b) {
+namespace {
+
+bool equals_at(const Value& a, const Value& b, int depth) {
   if (a.is_number() && b.is_number()) {
     if (a.is_float() || b.is_float()) return a.as_double() == b.as_double();
     return a.as_int() == b.as_int();
@@ -267,17 +316,19 @@ bool equals(const Value& a, const Value& b) {
     case Value::Kind::string: return a.str() == b.str();
     case Value::Kind::list: {
       if (a.is_tuple() != b.is_tuple() || a.items().size() != b.items().size()) return false;
+      check_depth(depth, "comparing values");
       for (size_t i = 0; i < a.items().size(); ++i)
-        if (!equals(a.items()[i], b.items()[i])) return false;
+        if (!equals_at(a.items()[i], b.items()[i], depth + 1)) return false;
       return true;
     }
     case Value::Kind::dict: {
       const DictData &x = a.dict_data(), &y = b.dict_data();
       if (x.is_namespace || y.is_namespace) return &x == &y;
       if (x.items.size() != y.items.size()) return false;
+      check_depth(depth, "comparing values");
       for (const auto& [k, v] : x.items) {
         const Value* w = y.find(k);
-        if (!w || !equals(v, *w)) return false;
+        if (!w || !equals_at(v, *w, depth + 1)) return false;
       }
       return true;
     }
@@ -286,7 +337,7 @@ bool equals(const Value& a, const Value& b) {
   }
 }
 
-int compare(const Value& a, const Value& b) {
+int compare_at(const Value& a, const Value& b, int depth) {
   if (a.is_number() && b.is_number()) {
     if (a.is_float() || b.is_float()) {
       const double x = a.as_double(), y = b.as_double();
@@ -300,13 +351,20 @@ int compare(const Value& a, const Value& b) {
     return c < 0 ? -1 : (c > 0 ? 1 : 0);
   }
   if (a.is_list() && b.is_list()) {
+    check_depth(depth, "comparing values");
     const size_t n = std::min(a.items().size(), b.items().size());
     for (size_t i = 0; i < n; ++i)
-      if (const int c = compare(a.items()[i], b.items()[i])) return c;
+      if (const int c = compare_at(a.items()[i], b.items()[i], depth + 1)) return c;
     return a.items().size() < b.items().size() ? -1 : (a.items().size() > b.items().size() ? 1 : 0);
   }
   fail("'<' not supported between instances of '{}' and '{}'", a.type_name(), b.type_name());
 }
+
+}  // namespace
+
+bool equals(const Value& a, const Value& b) { return equals_at(a, b, 0); }
+
+int compare(const Value& a, const Value& b) { return compare_at(a, b, 0); }
 
 Value CallArgs::get(size_t pos, std::string_view name, Value fallback) const {
   if (pos < args.size()) return args[pos];
@@ -384,6 +442,7 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int dept
     }
     case Value::Kind::string: json_string(out, v.str(), o.ensure_ascii); return;
     case Value::Kind::list: {
+      check_depth(depth, "tojson");
       if (v.items().empty()) {
         out += "[]";
         return;
@@ -400,6 +459,7 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int dept
     }
     case Value::Kind::dict: {
       if (v.dict_data().is_namespace) fail("tojson: Object of type Namespace is not JSON serializable");
+      check_depth(depth, "tojson");
       std::vector<const std::pair<std::string, Value>*> items;
       for (const auto& kv : v.dict_data().items) items.push_back(&kv);
       if (o.sort_keys)

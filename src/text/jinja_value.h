@@ -17,15 +17,36 @@ class Value;
 struct CallArgs;
 using Function = std::function<Value(CallArgs&)>;
 
+// How deeply lists and dicts may nest where a value is converted from JSON, printed, serialised or compared:
+// those walks recurse once per level, and request data (tools schemas, message content) must not be able to
+// exhaust the stack. Real tool schemas nest a few tens of levels at most; 256 levels cost well under 1 MB of
+// stack. Deeper values are a kestrel::Error ("nesting deeper than 256").
+inline constexpr int kMaxValueDepth = 256;
+
+// Lists and dicts release the containers they solely own iteratively: a template loop can build a chain of
+// lists far deeper than kMaxValueDepth, and destroying it by recursion would overflow the stack.
 struct ListData {
   std::vector<Value> items;
   bool tuple = false;
+  ListData() = default;
+  ListData(std::vector<Value> list_items, bool is_tuple);
+  ListData(const ListData&) = default;
+  ListData(ListData&&) noexcept = default;
+  ListData& operator=(const ListData&) = default;
+  ListData& operator=(ListData&&) noexcept = default;
+  ~ListData();
 };
 
 // Insertion-ordered, string keys (chat-template data comes from JSON).
 struct DictData {
   std::vector<std::pair<std::string, Value>> items;
   bool is_namespace = false;  // `namespace(...)`: attributes may be assigned with {% set ns.x = ... %}
+  DictData() = default;
+  DictData(const DictData&) = default;
+  DictData(DictData&&) noexcept = default;
+  DictData& operator=(const DictData&) = default;
+  DictData& operator=(DictData&&) noexcept = default;
+  ~DictData();
   const Value* find(std::string_view key) const;
   Value* find(std::string_view key);
   void set(const std::string& key, Value v);
@@ -52,6 +73,7 @@ class Value {
   static Value list(std::vector<Value> items = {}, bool tuple = false);
   static Value dict(DictData d = {});
   static Value function(std::string name, Function fn);
+  // Throws kestrel::Error for arrays/objects nested deeper than kMaxValueDepth.
   static Value from_json(const nlohmann::ordered_json& j);
 
   Kind kind() const { return kind_; }
@@ -85,7 +107,13 @@ class Value {
   // Python's type name, for error messages.
   std::string type_name() const;
 
+  // Destroys `pending` without recursing into the lists and dicts only it owns (see ListData).
+  static void release(std::vector<Value>& pending);
+
  private:
+  static Value from_json_at(const nlohmann::ordered_json& j, int depth);
+  std::string repr_at(int depth) const;
+
   Kind kind_ = Kind::undefined;
   bool b_ = false;
   int64_t i_ = 0;
@@ -106,6 +134,7 @@ struct CallArgs {
   void check(std::string_view fn, size_t max_pos, std::initializer_list<std::string_view> names) const;
 };
 
+// Both throw kestrel::Error for lists/dicts nested deeper than kMaxValueDepth.
 bool equals(const Value& a, const Value& b);
 // Python ordering for numbers, strings and lists; throws kestrel::Error for other types.
 int compare(const Value& a, const Value& b);
@@ -119,7 +148,7 @@ struct JsonOptions {
   std::string item_separator, key_separator;  // empty: Python's defaults for the indent mode
   bool sort_keys = false;
 };
-// Python json.dumps.
+// Python json.dumps; throws kestrel::Error for lists/dicts nested deeper than kMaxValueDepth.
 std::string to_json(const Value& v, const JsonOptions& opts);
 
 }  // namespace kestrel::text::jinja

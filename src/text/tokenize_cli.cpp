@@ -111,12 +111,18 @@ struct Session {
     }
     if (op == "render") {
       // An explicit template and context, rendered with the chat-template environment.
-      return {{"text", template_for(r.at("template").get<std::string>()).render_context(r.value("context", ordered_json::object()))}};
+      static const ordered_json empty_context = ordered_json::object();
+      const auto context = r.find("context");
+      const ChatTemplate& t = template_for(r.at("template").get<std::string>());
+      return {{"text", t.render_context(context != r.end() ? *context : empty_context)}};
     }
     if (op == "chat") {
-      const ordered_json tools = r.contains("tools") ? r["tools"] : ordered_json(nullptr);
-      const ordered_json extra = r.contains("extra") ? r["extra"] : ordered_json(nullptr);
-      const std::string text = model_chat_template().render(r.at("messages"), tools, r.value("add_generation_prompt", false), extra);
+      // By reference (also the context above): copying request JSON recurses once per nesting level.
+      static const ordered_json absent = nullptr;
+      const auto tools = r.find("tools"), extra = r.find("extra");
+      const std::string text = model_chat_template().render(r.at("messages"), tools != r.end() ? *tools : absent,
+                                                            r.value("add_generation_prompt", false),
+                                                            extra != r.end() ? *extra : absent);
       return {{"text", text}, {"ids", tok.encode(text)}};
     }
     fail("unknown op '{}'", op);

@@ -147,6 +147,22 @@ std::string regex_escape(std::string_view s) {
   return out;
 }
 
+// Sequence components nest one level in published tokenizers. Each level is a recursive call, so a bound keeps
+// a hostile tokenizer.json from exhausting the stack.
+constexpr int kMaxSequenceNesting = 32;
+
+void check_sequence_depth(int depth, std::string_view what) {
+  if (depth >= kMaxSequenceNesting)
+    fail("tokenizer.json: {} Sequence nesting deeper than {}", what, kMaxSequenceNesting);
+}
+
+// j[key], or null when absent, by reference: copying a JSON value recurses once per nesting level.
+const json& member_or_null(const json& j, const char* key) {
+  static const json absent;
+  const auto it = j.find(key);
+  return it != j.end() ? *it : absent;
+}
+
 // A Pattern of tokenizer.json: {"String": literal} or {"Regex": pattern}.
 std::unique_ptr<Regex> parse_pattern(const json& p, std::string_view where) {
   if (p.is_object() && p.contains("Regex")) return std::make_unique<Regex>(p["Regex"].get<std::string>());
@@ -467,11 +483,12 @@ AddedToken parse_added(const json& a) {
   return t;
 }
 
-void parse_normalizer(const json& n, std::vector<NormStep>& out) {
+void parse_normalizer(const json& n, std::vector<NormStep>& out, int depth = 0) {
   if (n.is_null()) return;
   const std::string type = n.at("type").get<std::string>();
   if (type == "Sequence") {
-    for (const json& c : n.at("normalizers")) parse_normalizer(c, out);
+    check_sequence_depth(depth, "normalizer");
+    for (const json& c : n.at("normalizers")) parse_normalizer(c, out, depth + 1);
   } else if (type == "Prepend") {
     NormStep s;
     s.kind = NormStep::prepend;
@@ -494,11 +511,12 @@ void parse_normalizer(const json& n, std::vector<NormStep>& out) {
   }
 }
 
-void parse_pre_tokenizer(const json& p, std::vector<PreStep>& out, bool& has_byte_level) {
+void parse_pre_tokenizer(const json& p, std::vector<PreStep>& out, bool& has_byte_level, int depth = 0) {
   if (p.is_null()) return;
   const std::string type = p.at("type").get<std::string>();
   if (type == "Sequence") {
-    for (const json& c : p.at("pretokenizers")) parse_pre_tokenizer(c, out, has_byte_level);
+    check_sequence_depth(depth, "pre-tokenizer");
+    for (const json& c : p.at("pretokenizers")) parse_pre_tokenizer(c, out, has_byte_level, depth + 1);
   } else if (type == "Split") {
     PreStep s;
     s.kind = PreStep::split;
@@ -530,11 +548,12 @@ std::vector<int32_t> special_ids_of(const json& proc, const std::string& name) {
   return st[name].at("ids").get<std::vector<int32_t>>();
 }
 
-void parse_post_processor(const json& p, std::vector<int32_t>& prefix, std::vector<int32_t>& suffix) {
+void parse_post_processor(const json& p, std::vector<int32_t>& prefix, std::vector<int32_t>& suffix, int depth = 0) {
   if (p.is_null()) return;
   const std::string type = p.at("type").get<std::string>();
   if (type == "Sequence") {
-    for (const json& c : p.at("processors")) parse_post_processor(c, prefix, suffix);
+    check_sequence_depth(depth, "post-processor");
+    for (const json& c : p.at("processors")) parse_post_processor(c, prefix, suffix, depth + 1);
   } else if (type == "ByteLevel") {
     // Adjusts offsets only.
   } else if (type == "TemplateProcessing") {
@@ -556,11 +575,12 @@ void parse_post_processor(const json& p, std::vector<int32_t>& prefix, std::vect
   }
 }
 
-void check_decoder(const json& d) {
+void check_decoder(const json& d, int depth = 0) {
   if (d.is_null()) fail("tokenizer.json: no decoder; only byte-level BPE (ByteLevel decoder) is supported");
   const std::string type = d.at("type").get<std::string>();
   if (type == "Sequence") {
-    for (const json& c : d.at("decoders")) check_decoder(c);
+    check_sequence_depth(depth, "decoder");
+    for (const json& c : d.at("decoders")) check_decoder(c, depth + 1);
   } else if (type != "ByteLevel") {
     fail("tokenizer.json: decoder '{}' is not supported (only ByteLevel)", type);
   }
@@ -575,7 +595,7 @@ std::pair<std::string, std::string> parse_merge(const json& m) {
     return {s.substr(0, sp), s.substr(sp + 1)};
   }
   if (m.is_array() && m.size() == 2) return {m[0].get<std::string>(), m[1].get<std::string>()};
-  fail("tokenizer.json: a merge must be \"A B\" or [\"A\", \"B\"], got {}", m.dump());
+  fail("tokenizer.json: a merge must be \"A B\" or [\"A\", \"B\"], got a JSON {}", m.type_name());
 }
 
 std::string base64_decode(std::string_view s, size_t line) {
@@ -617,16 +637,17 @@ Tokenizer Tokenizer::from_hf_json(std::string_view tokenizer_json) {
   if (model.value("byte_fallback", false)) fail("tokenizer.json: BPE byte_fallback is not supported");
   if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() != 0.0)
     fail("tokenizer.json: BPE dropout is not supported");
-  check_decoder(j.contains("decoder") ? j["decoder"] : json());
+  check_decoder(member_or_null(j, "decoder"));
   bool has_byte_level = false;
-  parse_pre_tokenizer(j.contains("pre_tokenizer") ? j["pre_tokenizer"] : json(), impl->pre, has_byte_level);
+  parse_pre_tokenizer(member_or_null(j, "pre_tokenizer"), impl->pre, has_byte_level);
   if (!has_byte_level) fail("tokenizer.json: no ByteLevel pre-tokenizer; only byte-level BPE is supported");
-  parse_normalizer(j.contains("normalizer") ? j["normalizer"] : json(), impl->normalizers);
+  parse_normalizer(member_or_null(j, "normalizer"), impl->normalizers);
   if (j.contains("post_processor"))
     parse_post_processor(j["post_processor"], impl->prefix_ids, impl->suffix_ids);
 
   const json& vocab = model.at("vocab");
-  const json added_json = j.contains("added_tokens") ? j["added_tokens"] : json::array();
+  static const json no_added_tokens = json::array();
+  const json& added_json = j.contains("added_tokens") ? j["added_tokens"] : no_added_tokens;
   int32_t max_id = -1;
   for (const auto& [k, v] : vocab.items()) max_id = std::max(max_id, v.get<int32_t>());
   for (const json& a : added_json) max_id = std::max(max_id, a.at("id").get<int32_t>());
