@@ -123,6 +123,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Merges `splits` partial attention outputs of each of `rows` rows ([rows, splits, 512] normalised outputs and
+// [rows, splits] lse) into out [rows, 512] and lse [rows], in split order; empty splits (lse = -inf) weigh 0 and a row
+// whose splits are all empty gives 0 and -inf. Shared by the sparse (dsa_mla.cu) and dense (mla_decode.cu) decodes.
+void launch_split_combine(const float* part_o, const float* part_lse, int splits, int64_t rows, float* out,
+                          float* lse, cudaStream_t stream, const char* what);
+
 // True when any of the four bytes is an e4m3 NaN code (0x7F or 0xFF).
 __device__ __forceinline__ bool has_e4m3_nan(uint32_t w) { return __vcmpeq4(w & 0x7F7F7F7Fu, 0x7F7F7F7Fu) != 0; }
 

@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
 // columns 4t .. 4t+3; the split loop is unrolled so that several splits' loads are in flight at once.
 constexpr int kCombineThreads = kLatentValueDim / 4;
 
-__global__ void __launch_bounds__(kCombineThreads) sparse_mla_combine_kernel(const float* __restrict__ part_o,
+__global__ void __launch_bounds__(kCombineThreads) split_combine_kernel(const float* __restrict__ part_o,
                                                                             const float* __restrict__ part_lse,
                                                                             int splits, float* __restrict__ out,
                                                                             float* __restrict__ lse) {
@@ -331,6 +331,14 @@ void check_mla_shapes(int batch, int n_q, int heads, int k, const char* fn) {
 }
 
 }  // namespace
+
+void launch_split_combine(const float* part_o, const float* part_lse, int splits, int64_t rows, float* out,
+                          float* lse, cudaStream_t stream, const char* what) {
+  split_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(part_o, part_lse, splits,
+                                                                                           out, lse);
+  check(cudaGetLastError(), what);
+}
+
 }  // namespace kestrel::cuda::dsa
 
 namespace kestrel::cuda {
@@ -388,9 +396,8 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   sparse_mla_decode_kernel<<<grid, kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "sparse_mla_decode kernel launch");
   if (sp.splits > 1) {
-    sparse_mla_combine_kernel<<<static_cast<unsigned>(row_heads), kCombineThreads, 0, stream>>>(
-        p.part_o, p.part_lse, sp.splits, a.out, a.lse);
-    check(cudaGetLastError(), "sparse_mla_decode combine kernel launch");
+    dsa::launch_split_combine(p.part_o, p.part_lse, sp.splits, row_heads, a.out, a.lse, stream,
+                              "sparse_mla_decode combine kernel launch");
   }
 }
 

@@ -49,7 +49,7 @@ constexpr int kQBytes = kBlocks * kQBlock;
 constexpr int kKBytes = kBlocks * kKBlock;
 constexpr int kStageBytes = kTile * kLatentDim;  // one tile of raw FP8 rows
 constexpr int kAddrSlots = 8;
-constexpr float kInf = __builtin_huge_valf();
+[[maybe_unused]] constexpr float kInf = __builtin_huge_valf();  // used only by the sm_90a (wgmma) code path
 
 // Shared memory, from a 1024-byte aligned base (the swizzle atoms of the operands must be aligned).
 template <bool kFp8>
@@ -495,38 +495,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #endif
 }
 
-// One CTA per query row and head: merges the splits' normalised outputs by their lse, in split order. Thread t owns
-// value columns 4t .. 4t + 3.
-constexpr int kCombineThreads = kLatentValueDim / 4;
-
-__global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const float* __restrict__ part_o,
-                                                                     const float* __restrict__ part_lse, int splits,
-                                                                     float* __restrict__ out, float* __restrict__ lse) {
-  const int64_t row = blockIdx.x;
-  const int tid = threadIdx.x;
-  const float* row_lse = part_lse + row * splits;
-  float m = -kInf;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, row_lse[s]);
-  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float wsum = 0.0f;
-  const float4* src = reinterpret_cast<const float4*>(part_o + row * splits * kLatentValueDim) + tid;
-#pragma unroll 8
-  for (int s = 0; s < splits; ++s) {
-    // An empty split stored lse = -inf and a zero output: its weight is 0.
-    const float w = m == -kInf ? 0.0f : expf(row_lse[s] - m);
-    const float4 v = src[static_cast<int64_t>(s) * (kLatentValueDim / 4)];
-    wsum += w;
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
-  }
-  const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-  reinterpret_cast<float4*>(out + row * kLatentValueDim)[tid] =
-      make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-  if (tid == 0) lse[row] = wsum > 0.0f ? m + logf(wsum) : -kInf;
-}
-
 struct Plan {
   int groups;  // CTAs of 64 rows per request
   int splits;
@@ -658,9 +626,8 @@ void mla_decode(const MlaDecodeArgs& a, void* workspace, size_t workspace_bytes,
     mla::launch<false>(p, plan, a.batch, stream);
   }
   if (plan.splits > 1) {
-    mla::mla_combine_kernel<<<static_cast<unsigned>(rows), mla::kCombineThreads, 0, stream>>>(
-        p.part_o, p.part_lse, plan.splits, a.out, a.lse);
-    check(cudaGetLastError(), "mla_decode combine kernel launch");
+    dsa::launch_split_combine(p.part_o, p.part_lse, plan.splits, rows, a.out, a.lse, stream,
+                              "mla_decode combine kernel launch");
   }
 }
 

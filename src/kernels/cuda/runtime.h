@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <utility>
+#include <vector>
 
 namespace kestrel::cuda {
 
@@ -51,5 +52,20 @@ class DeviceBuffer {
   T* ptr_ = nullptr;
   size_t n_ = 0;
 };
+
+// Whole-vector copies between host and device (synchronous; tests, benchmarks and set-up code).
+template <typename T>
+DeviceBuffer<T> to_device(const std::vector<T>& v) {
+  DeviceBuffer<T> d(v.size());
+  d.upload(v.data());
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const DeviceBuffer<T>& d) {
+  std::vector<T> v(d.size());
+  d.download(v.data());
+  return v;
+}
 
 }  // namespace kestrel::cuda

@@ -31,20 +31,6 @@ constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
 #define REQUIRE_GPU() \
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
-template <typename T>
-DeviceBuffer<T> to_device(const std::vector<T>& v) {
-  DeviceBuffer<T> d(v.size());
-  d.upload(v.data());
-  return d;
-}
-
-template <typename T>
-std::vector<T> to_host(const DeviceBuffer<T>& d) {
-  std::vector<T> v(d.size());
-  d.download(v.data());
-  return v;
-}
-
 void sync() { KESTREL_CUDA_CHECK(cudaDeviceSynchronize()); }
 
 uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }

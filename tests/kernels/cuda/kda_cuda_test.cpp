@@ -41,21 +41,6 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return rel_err(a.data(), b.data(), std::min(a.size(), b.size()));
 }
 
-DeviceBuffer<float> to_device(const std::vector<float>& x) {
-  DeviceBuffer<float> d(x.size());
-  d.upload(x.data());
-  return d;
-}
-DeviceBuffer<int32_t> to_device(const std::vector<int32_t>& x) {
-  DeviceBuffer<int32_t> d(x.size());
-  d.upload(x.data());
-  return d;
-}
-std::vector<float> to_host(const DeviceBuffer<float>& d) {
-  std::vector<float> x(d.size());
-  d.download(x.data());
-  return x;
-}
 // All bits set: a NaN in every float, so any output the kernel fails to write shows up.
 template <typename T>
 void poison(DeviceBuffer<T>& d) {

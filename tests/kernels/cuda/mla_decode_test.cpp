@@ -37,20 +37,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 #define REQUIRE_GPU() \
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
-template <typename T>
-DeviceBuffer<T> to_device(const std::vector<T>& v) {
-  DeviceBuffer<T> d(v.size());
-  d.upload(v.data());
-  return d;
-}
-
-template <typename T>
-std::vector<T> to_host(const DeviceBuffer<T>& d) {
-  std::vector<T> v(d.size());
-  d.download(v.data());
-  return v;
-}
-
 uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
 
 // Runs fn(0) .. fn(n - 1) on all cores.
