@@ -23,8 +23,11 @@
 #include "core/formats.h"
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/runtime.h"
+#include "event_timing.h"
 
 namespace {
+
+using kestrel::bench::median_us;
 
 using kestrel::cuda::BlockTable;
 using kestrel::cuda::DeviceBuffer;
@@ -35,36 +38,6 @@ constexpr int kTopk = 2048;
 constexpr double kBw = 4.27e12;       // device-to-device copy, bytes read + written (BENCHMARKING.md)
 constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCHMARKING.md)
 
-struct Timer {
-  cudaEvent_t a, b;
-  Timer() {
-    KESTREL_CUDA_CHECK(cudaEventCreate(&a));
-    KESTREL_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-};
-
-// Median time in microseconds of `iters` runs of fn(i) after `warm` untimed ones.
-template <typename F>
-double median_us(int iters, int warm, F&& fn) {
-  for (int i = 0; i < warm; ++i) fn(i);
-  Timer t;
-  std::vector<double> us;
-  for (int i = 0; i < iters; ++i) {
-    KESTREL_CUDA_CHECK(cudaEventRecord(t.a));
-    fn(warm + i);
-    KESTREL_CUDA_CHECK(cudaEventRecord(t.b));
-    KESTREL_CUDA_CHECK(cudaEventSynchronize(t.b));
-    float ms = 0;
-    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, t.a, t.b));
-    us.push_back(ms * 1e3);
-  }
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
-}
 
 // Fills `dst` with copies of a random host block of whole pages (each page valid: codes never NaN).
 void fill_pages(uint8_t* dst, int64_t pages, int64_t page_bytes, const std::vector<uint8_t>& block) {

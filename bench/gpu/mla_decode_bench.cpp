@@ -27,8 +27,11 @@
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/mla_decode.h"
 #include "kernels/cuda/runtime.h"
+#include "event_timing.h"
 
 namespace {
+
+using kestrel::bench::median_us;
 
 using kestrel::cuda::BlockTable;
 using kestrel::cuda::DeviceBuffer;
@@ -48,36 +51,6 @@ constexpr float kKvScale = 4.0f / 448.0f;
 constexpr float kSoftmaxScale = 0.1352338f;
 constexpr int kIters = 20, kWarm = 3;
 
-struct Timer {
-  cudaEvent_t a, b;
-  Timer() {
-    KESTREL_CUDA_CHECK(cudaEventCreate(&a));
-    KESTREL_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-};
-
-// Median time in microseconds of kIters runs of fn(i) after kWarm untimed ones.
-template <typename F>
-double median_us(F&& fn, int iters = kIters, int warm = kWarm) {
-  for (int i = 0; i < warm; ++i) fn(i);
-  Timer t;
-  std::vector<double> us;
-  for (int i = 0; i < iters; ++i) {
-    KESTREL_CUDA_CHECK(cudaEventRecord(t.a));
-    fn(warm + i);
-    KESTREL_CUDA_CHECK(cudaEventRecord(t.b));
-    KESTREL_CUDA_CHECK(cudaEventSynchronize(t.b));
-    float ms = 0;
-    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, t.a, t.b));
-    us.push_back(ms * 1e3);
-  }
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
-}
 
 // Fills `bytes` of dst with copies of a random host block.
 void fill(uint8_t* dst, int64_t bytes, const std::vector<uint8_t>& block) {
@@ -275,12 +248,9 @@ struct Dsa {
 
 double copy_bandwidth(Pools& pools) {
   const size_t half = size_t{1} << 30;
-  const double us = median_us(
-      [&](int) {
-        KESTREL_CUDA_CHECK(
-            cudaMemcpyAsync(pools.latent.get() + half, pools.latent.get(), half, cudaMemcpyDeviceToDevice));
-      },
-      10, 2);
+  const double us = median_us(10, 2, [&](int) {
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(pools.latent.get() + half, pools.latent.get(), half, cudaMemcpyDeviceToDevice));
+  });
   return 2.0 * static_cast<double>(half) / (us * 1e-6);
 }
 
@@ -339,7 +309,7 @@ int main(int argc, char** argv) {
   for (const Row& r : rows) {
     const Shape shape(pools, r.B, r.L, fp8_pages, kLatentDim + kIndexKeyBytes);
     const Dense dense(pools, shape, LatentDtype::fp8_e4m3, r.H, rng);
-    const double t = median_us([&](int i) { dense(i); });
+    const double t = median_us(kIters, kWarm, [&](int i) { dense(i); });
     const double bytes = static_cast<double>(r.B) * r.L * kLatentDim;
     const double flops = 2.0 * (kLatentDim + kLatentValueDim) * r.H * static_cast<double>(r.B) * r.L;
     const double mem_us = bytes / bw * 1e6, cmp_us = flops / kBf16Flops * 1e6, roof = std::max(mem_us, cmp_us);
@@ -349,8 +319,8 @@ int main(int argc, char** argv) {
       std::printf(" | | | | |\n");
     } else {
       const Dsa dsa(pools, shape, r.H, r.H == 128 ? 64 : 32, rng);
-      const double exact = median_us([&](int i) { dsa(i, kestrel::cuda::IndexScoreMode::exact); });
-      const double fast = median_us([&](int i) { dsa(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
+      const double exact = median_us(kIters, kWarm, [&](int i) { dsa(i, kestrel::cuda::IndexScoreMode::exact); });
+      const double fast = median_us(kIters, kWarm, [&](int i) { dsa(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
       const double dsa_bytes = static_cast<double>(r.B) * (static_cast<double>(r.L) * kIndexKeyBytes + 2048.0 * kLatentDim);
       std::printf(" %.1f | %.1f | %.3f | %.3f | %.3f |\n", exact, fast, exact / t, fast / t, dsa_bytes / bytes);
     }
@@ -368,7 +338,7 @@ int main(int argc, char** argv) {
   for (const Row& r : bf16_rows) {
     const Shape shape(pools, r.B, r.L, bf16_pages, 2 * kLatentDim);
     const Dense dense(pools, shape, LatentDtype::bf16, r.H, rng);
-    const double t = median_us([&](int i) { dense(i); });
+    const double t = median_us(kIters, kWarm, [&](int i) { dense(i); });
     const double bytes = static_cast<double>(r.B) * r.L * 2 * kLatentDim;
     const double flops = 2.0 * (kLatentDim + kLatentValueDim) * r.H * static_cast<double>(r.B) * r.L;
     const double mem_us = bytes / bw * 1e6, cmp_us = flops / kBf16Flops * 1e6, roof = std::max(mem_us, cmp_us);
