@@ -27,11 +27,11 @@ std::string tiny_dir(Arch arch) {
   return dir;
 }
 
-std::vector<int32_t> random_ids(int n, int vocab, uint32_t seed) {
+// n random byte tokens (ids 0..255 exist in every preset's vocabulary).
+std::vector<int32_t> random_ids(int n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<int32_t> ids(n);
-  for (auto& t : ids) t = static_cast<int32_t>(rng() % 256);  // byte tokens
-  (void)vocab;
+  for (auto& t : ids) t = static_cast<int32_t>(rng() % 256);
   return ids;
 }
 
@@ -90,7 +90,7 @@ class EveryArch : public ::testing::TestWithParam<Arch> {};
 
 TEST_P(EveryArch, LoadsAndProducesFiniteLogits) {
   const auto m = Model::load(tiny_dir(GetParam()));
-  const auto logits = prefill_logits(*m, random_ids(20, 512, 1));
+  const auto logits = prefill_logits(*m, random_ids(20, 1));
   for (float v : logits) ASSERT_TRUE(std::isfinite(v));
   // Logits of a random-weight model are O(1)-O(10), not saturated or vanishing.
   double ss = 0;
@@ -104,7 +104,7 @@ TEST_P(EveryArch, LoadsAndProducesFiniteLogits) {
 // the same computation token for token and must agree bit for bit; with the chunked KDA prefill they agree within
 // fp32 rounding (bound 1e-5 relative).
 TEST_P(EveryArch, PrefillEqualsPrefillThenDecode) {
-  const auto ids = random_ids(90, 512, 2);  // > 64 (a KDA chunk) and > index_topk (16): sparse selection happens
+  const auto ids = random_ids(90, 2);  // > 64 (a KDA chunk) and > index_topk (16): sparse selection happens
   ModelOptions exact;
   exact.kda_chunked_prefill = false;
   const auto m_exact = Model::load(tiny_dir(GetParam()), exact);
@@ -123,6 +123,22 @@ TEST_P(EveryArch, PrefillEqualsPrefillThenDecode) {
 INSTANTIATE_TEST_SUITE_P(Tiny, EveryArch, ::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
                          [](const auto& info) { return std::string(arch_name(info.param)); });
 
+// The attention prefix of the first MLA layer of `cfg`.
+std::string first_mla_prefix(const ModelConfig& cfg) {
+  int layer = 0;
+  while (cfg.layer_kinds[layer] != LayerKind::mla) ++layer;
+  return "model.layers." + std::to_string(layer) + ".self_attn.";
+}
+
+// n standard-normal values from `seed`.
+std::vector<float> normal_values(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(n);
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
 // A DSA layer whose index_topk covers the whole context selects every causal token and must equal dense MLA over
 // the same weights, bit for bit (the selected rows are visited in position order).
 TEST(Dsa, TopkCoveringContextEqualsDenseMla) {
@@ -132,17 +148,13 @@ TEST(Dsa, TopkCoveringContextEqualsDenseMla) {
     sparse.index_topk = 4096;
     ModelConfig dense = sparse;
     dense.has_indexer = false;
-    int layer = 0;
-    while (sparse.layer_kinds[layer] != LayerKind::mla) ++layer;
-    const std::string prefix = "model.layers." + std::to_string(layer) + ".self_attn.";
+    const std::string prefix = first_mla_prefix(sparse);
     WeightLoader w(dir, sparse.weight_block_size);
     const MlaAttention a(sparse, w, prefix, LatentCacheDtype::auto_fp32);
     const MlaAttention b(dense, w, prefix, LatentCacheDtype::auto_fp32);
     const int64_t T = 70, D = sparse.hidden_size;
-    std::mt19937 rng(3);
-    std::normal_distribution<float> nd;
-    std::vector<float> x(T * D), ya(T * D), yb(T * D);
-    for (float& v : x) v = nd(rng);
+    const std::vector<float> x = normal_values(T * D, 3);
+    std::vector<float> ya(T * D), yb(T * D);
     LayerPages ca{a}, cb{b};
     a.forward(x.data(), 40, ca.next(40), ya.data());  // prefill then a second chunk, so both paths read cached rows
     a.forward(x.data() + 40 * D, T - 40, ca.next(T - 40), ya.data() + 40 * D);
@@ -169,17 +181,13 @@ TEST(Model, Fp8LatentCacheStaysClose) {
   for (Arch arch : {Arch::kimi_k3, Arch::deepseek_v32}) {
     const std::string dir = tiny_dir(arch);
     const ModelConfig cfg = ModelConfig::load(dir + "/config.json");
-    int layer = 0;
-    while (cfg.layer_kinds[layer] != LayerKind::mla) ++layer;
-    const std::string prefix = "model.layers." + std::to_string(layer) + ".self_attn.";
+    const std::string prefix = first_mla_prefix(cfg);
     WeightLoader w(dir, cfg.weight_block_size);
     const MlaAttention ref(cfg, w, prefix, LatentCacheDtype::auto_fp32);
     const MlaAttention fp8(cfg, w, prefix, LatentCacheDtype::fp8);
     const int64_t T = 30, D = cfg.hidden_size;
-    std::mt19937 rng(5);
-    std::normal_distribution<float> nd;
-    std::vector<float> x(T * D), ya(T * D), yb(T * D);
-    for (float& v : x) v = nd(rng);
+    const std::vector<float> x = normal_values(T * D, 5);
+    std::vector<float> ya(T * D), yb(T * D);
     LayerPages ca{ref}, cb{fp8};
     ref.forward(x.data(), T, ca.next(T), ya.data());
     const TokenPages fp8_pages = cb.next(T);
