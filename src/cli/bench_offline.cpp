@@ -20,6 +20,7 @@
 
 #include "cli/engine_flags.h"
 #include "core/error.h"
+#include "core/stats.h"
 #include "engine/engine.h"
 #include "model/model.h"
 
@@ -75,13 +76,6 @@ void write_json(const std::string& path, const nlohmann::ordered_json& j) {
   if (!f) fail("cannot write {}", path);
   f << j.dump(4) << "\n";
   std::fprintf(stderr, "[kestrel] wrote %s\n", path.c_str());
-}
-
-// numpy's default percentile: linear interpolation between the closest ranks of the sorted values.
-double percentile(const std::vector<double>& sorted, double p) {
-  const double rank = p / 100.0 * static_cast<double>(sorted.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(rank)), hi = static_cast<size_t>(std::ceil(rank));
-  return sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - static_cast<double>(lo));
 }
 
 int run_latency(const OfflineArgs& a) {

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/stats.h"
 
 namespace kestrel::server {
 namespace {
@@ -375,15 +376,9 @@ Stats stats_ms(std::vector<double> v) {
   double var = 0;
   for (double x : v) var += (x - s.mean) * (x - s.mean);
   s.std = std::sqrt(var / static_cast<double>(v.size()));
-  // Linear interpolation between closest ranks (numpy's default percentile).
-  auto pct = [&](double p) {
-    const double k = p / 100 * static_cast<double>(v.size() - 1);
-    const size_t lo = static_cast<size_t>(std::floor(k)), hi = static_cast<size_t>(std::ceil(k));
-    return v[lo] + (v[hi] - v[lo]) * (k - static_cast<double>(lo));
-  };
-  s.median = pct(50);
-  s.p90 = pct(90);
-  s.p99 = pct(99);
+  s.median = percentile(v, 50);
+  s.p90 = percentile(v, 90);
+  s.p99 = percentile(v, 99);
   return s;
 }
 
