@@ -13,7 +13,11 @@
 #   KESTREL_GPU_TEST_S / KESTREL_GPU_BENCH_S seconds (default 300 each). A device call allows 10 minutes: with
 #   the KDA profile and the sanitizers, `--bench all` can take longer than that; run one kind per call.
 #   With the KDA benchmark: KESTREL_KDA_PROFILE=0 skips its Nsight Compute run (default on when ncu is there; 240 s
-#   cap; ncu-kda.log).
+#   cap; ncu-kda.log). Right after kda_cuda_bench, in the same run, bench/gpu/peers_kda.py times the peer,
+#   flash-linear-attention's chunk_kda and fused_recurrent_kda (python3 with torch and triton; the fla source in
+#   .peers/fla-src, made by bench/gpu/make_peers.sh: carry `.peers` as well as `.devdeps`; capped at
+#   KESTREL_GPU_BENCH_S; bench-peers_kda.log; without .peers it prints "fla not available"); KESTREL_KDA_PEERS=0
+#   skips it.
 #   With the DSA benchmark: KESTREL_DSA_PROFILE=1 adds an Nsight Compute profile of one launch of each stage
 #   (ncu-dsa.txt); KESTREL_DSA_MEMCHECK_S caps the compute-sanitizer memcheck of small DSA cases (seconds, default
 #   75; 0 skips it; memcheck-dsa.log); KESTREL_DSA_RACECHECK=1 adds a racecheck of small cases (racecheck-dsa.log).
@@ -23,9 +27,9 @@
 #   KESTREL_GPU_BUILD names the build folder (default /tmp/kestrel-gpu-build).
 # Writes env.txt, build.log, sass.txt (registers, shared memory and matrix/spill instructions per kernel), for
 # each test binary T test-T.log and test-T.xml, test.log (their summary lines), for each benchmark B bench-B.log,
-# and the profile and sanitizer logs above to the log dir. The profiles and sanitizers are informational and never
-# fail the run. Exits 0 when everything it ran passed, 1 if the build, a test or a benchmark failed, 2 on a
-# usage error.
+# and the peer, profile and sanitizer logs above to the log dir. The peer, the profiles and the sanitizers are
+# informational and never fail the run. Exits 0 when everything it ran passed, 1 if the build, a test or a
+# benchmark failed, 2 on a usage error.
 set -uo pipefail
 usage() {
   echo "usage: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|all] [--build-only] [log-dir]" >&2
@@ -120,12 +124,20 @@ BENCHES=()
 for b in "${ALL_BENCHES[@]}"; do
   if [ "$BENCH" = all ] || [[ "$b" == "$BENCH"_* ]]; then BENCHES+=("$b"); fi
 done
+kda_peers() {
+  [ "${KESTREL_KDA_PEERS:-1}" = 1 ] || return 0
+  echo "== peers_kda"
+  PYTHONPATH="$ROOT/.peers/fla-src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "$BENCH_S" \
+    python3 "$ROOT/bench/gpu/peers_kda.py" 2>&1 | tee "$LOGS/bench-peers_kda.log"
+  echo "peers_kda exit ${PIPESTATUS[0]} (bench-peers_kda.log)"
+}
 for b in "${BENCHES[@]}"; do
   echo "== $b"
   timeout "$BENCH_S" "$BIN/$b" 2>&1 | tee "$LOGS/bench-$b.log"
   rc=${PIPESTATUS[0]}
   echo "$b exit $rc"
   [ "$rc" = 0 ] || failed+=("$b")
+  if [ "$b" = kda_cuda_bench ]; then kda_peers; fi
 done
 
 runs() { [ "$BENCH" = all ] || [ "$BENCH" = "$1" ]; }
