@@ -1,0 +1,485 @@
+// GPU tests of src/kernels/cuda/mla_glue.h: the FP8 latent writer bit for bit against MlaAttention::write_latent's
+// encoding, the generic absorbed attention against cpu::mla_attend_absorbed on the dequantised rows (scattered
+// pages, a batch mixing prefill and decode rows, dense and with index lists), and the bf16 row conversion bit for bit
+// against f32_to_bf16.
+#include "kernels/cuda/mla_glue.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/formats.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cuda/runtime.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+#define REQUIRE_GPU() \
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
+
+uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
+
+// MlaAttention::write_latent's encoding of one value (fp8 latent, Kimi layout).
+uint8_t cpu_latent_code(float v, float kv_scale) { return f32_to_e4m3(std::clamp(v / kv_scale, -kE4m3Max, kE4m3Max)); }
+
+// ---------------------------------------------------------------- latent writer
+
+struct WriteCase {
+  int C, R;
+  float kv_scale;
+  int page_size;
+  int T;
+};
+
+std::string write_case_name(const ::testing::TestParamInfo<WriteCase>& info) {
+  const WriteCase& w = info.param;
+  return "C" + std::to_string(w.C) + "_R" + std::to_string(w.R) + "_scale" +
+         std::to_string(static_cast<int>(w.kv_scale * 1000)) + "m_page" + std::to_string(w.page_size) + "_T" +
+         std::to_string(w.T);
+}
+
+// A value drawn to exercise every path of the encoding, relative to kv_scale: log-uniform magnitudes from far below
+// e4m3's smallest subnormal to far beyond 448, exact midpoints between neighbouring codes (ties to even), the
+// saturation edge, and specials (+-0, +-inf, NaN of both signs, fp32 subnormals, FLT_MAX).
+float write_value(std::mt19937& rng, float kv_scale) {
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  const float sign = rng() % 2 ? -1.0f : 1.0f;
+  switch (rng() % 8) {
+    case 0: {
+      static const float kSpecial[] = {0.0f, -0.0f, kInf, -kInf, kNaN, -kNaN, 1e-40f, -1e-40f,
+                                       std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()};
+      return kSpecial[rng() % std::size(kSpecial)];
+    }
+    case 1: {  // midpoint of two neighbouring finite codes, or the saturation edge
+      static const float kEdge[] = {448.0f, 464.0f, 449.0f, 480.0f, 1e6f};
+      if (rng() % 4 == 0) return sign * kEdge[rng() % std::size(kEdge)] * kv_scale;
+      const uint8_t c = static_cast<uint8_t>(rng() % 0x7E);
+      return sign * 0.5f * (e4m3_to_f32(c) + e4m3_to_f32(static_cast<uint8_t>(c + 1))) * kv_scale;
+    }
+    default:
+      return sign * std::exp2(-14.0f + 26.0f * u(rng)) * kv_scale;
+  }
+}
+
+class MlaLatentWriteFp8 : public ::testing::TestWithParam<WriteCase> {};
+
+TEST_P(MlaLatentWriteFp8, MatchesCpuEncodingBitForBit) {
+  REQUIRE_GPU();
+  const WriteCase& wc = GetParam();
+  const int width = wc.C + wc.R, T = wc.T;
+  const int64_t ldkv = width + 3;
+  std::mt19937 rng(9100 + wc.C * 7 + wc.R + wc.T + wc.page_size);
+
+  // A packed-cache-like pool: each page holds page_size latent entries followed by other data (index keys here),
+  // so the page stride is larger than the latent part. Every byte starts as a sentinel.
+  const int num_pages = (T + wc.page_size - 1) / wc.page_size + 3;
+  const int64_t page_stride = int64_t{wc.page_size} * width + int64_t{wc.page_size} * 132;
+  constexpr uint8_t kSentinel = 0xA5;
+  std::vector<uint8_t> pool(static_cast<size_t>(num_pages * page_stride), kSentinel);
+
+  std::vector<float> kv(static_cast<size_t>(T * ldkv));
+  for (float& v : kv) v = write_value(rng, wc.kv_scale);
+  // Distinct slots scattered over the pool; every fifth token (and token 0 when T > 1) is skipped by a negative slot.
+  std::vector<int64_t> all_slots(static_cast<size_t>(num_pages) * wc.page_size);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng);
+  std::vector<int64_t> slots(all_slots.begin(), all_slots.begin() + T);
+  for (int t = 0; t < T; ++t)
+    if (T > 1 && t % 5 == 0) slots[static_cast<size_t>(t)] = t == 0 ? -1 : -1 - t;
+
+  std::vector<uint8_t> expected = pool;
+  int written = 0;
+  for (int t = 0; t < T; ++t) {
+    const int64_t slot = slots[static_cast<size_t>(t)];
+    if (slot < 0) continue;
+    ++written;
+    uint8_t* e = expected.data() + slot / wc.page_size * page_stride + slot % wc.page_size * width;
+    for (int i = 0; i < width; ++i) e[i] = cpu_latent_code(kv[static_cast<size_t>(t * ldkv + i)], wc.kv_scale);
+  }
+  ASSERT_GT(written, 0);
+
+  DeviceBuffer<uint8_t> pool_d = to_device(pool);
+  const DeviceBuffer<float> kv_d = to_device(kv);
+  const DeviceBuffer<int64_t> slots_d = to_device(slots);
+  mla_latent_write_fp8(kv_d.get(), ldkv, T, wc.C, wc.R, wc.kv_scale, slots_d.get(),
+                       Pages{pool_d.get(), page_stride, wc.page_size}, nullptr);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> got = to_host(pool_d);
+
+  int64_t bad = 0;
+  for (size_t b = 0; b < got.size(); ++b) {
+    if (got[b] == expected[b]) continue;
+    if (bad++ < 8) {
+      const int64_t page = static_cast<int64_t>(b) / page_stride, in_page = static_cast<int64_t>(b) % page_stride;
+      ADD_FAILURE() << "byte " << b << " (page " << page << ", offset " << in_page << "): got 0x" << std::hex
+                    << int{got[b]} << ", expected 0x" << int{expected[b]} << std::dec;
+    }
+  }
+  EXPECT_EQ(bad, 0) << "bytes differ from the CPU encoding (or were written outside the slots)";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MlaLatentWriteFp8,
+                         ::testing::Values(WriteCase{64, 16, 1.0f, 16, 77}, WriteCase{128, 16, 0.37f, 64, 150},
+                                           WriteCase{512, 64, 4.0f / 448.0f, 64, 45},
+                                           WriteCase{512, 64, 0.125f, 16, 33}, WriteCase{37, 5, 2.5f, 16, 20},
+                                           WriteCase{64, 16, 0.37f, 16, 1}),
+                         write_case_name);
+
+// ---------------------------------------------------------------- generic absorbed attention
+
+struct AttendCase {
+  int C, R, H, page_size;
+  bool sparse;
+};
+
+std::string attend_case_name(const ::testing::TestParamInfo<AttendCase>& info) {
+  const AttendCase& a = info.param;
+  return "C" + std::to_string(a.C) + "_R" + std::to_string(a.R) + "_H" + std::to_string(a.H) + "_page" +
+         std::to_string(a.page_size) + (a.sparse ? "_indices" : "_dense");
+}
+
+// One request's share of a batch: its context length and the positions of its query rows.
+struct Request {
+  int ctx;
+  std::vector<int> query_positions;
+};
+
+// The latent pages of a batch: each request's pages handed out in a shuffled order from a pool with three unowned
+// pages; a page is page_size entries of C + R codes followed by an index-key area, as a packed cache row. Every byte
+// that is not a cached entry of a request holds the e4m3 NaN code, so that a read of a wrong row shows up as NaN.
+struct LatentPool {
+  int page_size = 0, width = 0, bt_stride = 0;
+  int64_t page_stride = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<int32_t> block_table;
+  std::vector<std::vector<float>> values;  // per request: [ctx, C + R] dequantised rows (what the CPU sees)
+
+  LatentPool(std::mt19937& rng, const std::vector<Request>& reqs, int page_size_, int C, int R, float kv_scale)
+      : page_size(page_size_), width(C + R), page_stride(int64_t{page_size_} * (C + R) + int64_t{page_size_} * 132) {
+    int total = 3;
+    for (const Request& r : reqs) {
+      const int pages = (r.ctx + page_size - 1) / page_size;
+      bt_stride = std::max(bt_stride, pages + 1);  // a spare column past every request's pages, left at -1
+      total += pages;
+    }
+    std::vector<int32_t> order(static_cast<size_t>(total));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    block_table.assign(reqs.size() * static_cast<size_t>(bt_stride), -1);
+    size_t next = 0;
+    for (size_t r = 0; r < reqs.size(); ++r)
+      for (int i = 0; i < (reqs[r].ctx + page_size - 1) / page_size; ++i)
+        block_table[r * bt_stride + i] = order[next++];
+    bytes.assign(static_cast<size_t>(total * page_stride), 0x7F);
+
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    values.resize(reqs.size());
+    for (size_t r = 0; r < reqs.size(); ++r) {
+      values[r].resize(static_cast<size_t>(reqs[r].ctx) * width);
+      for (int s = 0; s < reqs[r].ctx; ++s) {
+        uint8_t* row = bytes.data() + int64_t{block_table[r * bt_stride + s / page_size]} * page_stride +
+                       int64_t{s % page_size} * width;
+        float* ref = values[r].data() + static_cast<size_t>(s) * width;
+        for (int c = 0; c < width; ++c) {
+          const uint8_t code = cpu_latent_code(n(rng) * (c < C ? 1.0f : 0.5f), kv_scale);
+          row[c] = code;
+          ref[c] = e4m3_to_f32(code) * kv_scale;
+        }
+      }
+    }
+  }
+};
+
+class MlaAttendGeneric : public ::testing::TestWithParam<AttendCase> {};
+
+TEST_P(MlaAttendGeneric, MatchesCpuWithinBound) {
+  REQUIRE_GPU();
+  const AttendCase& ac = GetParam();
+  const int C = ac.C, R = ac.R, H = ac.H, width = C + R;
+  std::mt19937 rng(5300 + C + R * 3 + H * 17 + ac.page_size * 5 + (ac.sparse ? 1 : 0));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const float kv_scale = 0.37f;  // not a power of two: a dequantised value is a rounded product
+  const float softmax_scale = 1.5f / std::sqrt(static_cast<float>(width));
+
+  // Decode rows of three requests (contexts of 301 positions, 1 and 70) around a prefill chunk of 19 rows at
+  // positions 45..63 and a first chunk of 5 rows at positions 0..4.
+  std::vector<int> chunk(19);
+  std::iota(chunk.begin(), chunk.end(), 45);
+  const std::vector<Request> reqs = {{301, {300}}, {64, chunk}, {1, {0}}, {5, {0, 1, 2, 3, 4}}, {70, {69}}};
+  std::vector<int32_t> row_req, row_pos;
+  for (size_t r = 0; r < reqs.size(); ++r)
+    for (int p : reqs[r].query_positions) {
+      row_req.push_back(static_cast<int32_t>(r));
+      row_pos.push_back(p);
+    }
+  const int rows = static_cast<int>(row_req.size());
+  const LatentPool pool(rng, reqs, ac.page_size, C, R, kv_scale);
+
+  std::vector<float> q(static_cast<size_t>(rows) * H * width);
+  for (float& v : q) v = n(rng);
+
+  // Index lists of k = 40 (more than one tile of 32, not a multiple of it), in random order: mostly causal
+  // positions, some -1 padding, some positions past the row (skipped), some repeats (counted twice). The first row
+  // of the 5-row chunk (position 0) gets no valid entry at all.
+  constexpr int k = 40;
+  std::vector<int32_t> indices;
+  if (ac.sparse) {
+    indices.resize(static_cast<size_t>(rows) * k);
+    for (int row = 0; row < rows; ++row) {
+      const int pos = row_pos[static_cast<size_t>(row)];
+      const bool none_valid = row_req[static_cast<size_t>(row)] == 3 && pos == 0;
+      int32_t* idx = indices.data() + static_cast<size_t>(row) * k;
+      for (int i = 0; i < k; ++i) {
+        const unsigned kind = rng() % 10;
+        if (none_valid) {
+          idx[i] = kind < 5 ? -1 : pos + 1 + static_cast<int32_t>(rng() % 100);
+        } else if (kind < 6) {
+          idx[i] = static_cast<int32_t>(rng() % (pos + 1));
+        } else if (kind == 6) {
+          idx[i] = -1;
+        } else if (kind == 7) {
+          idx[i] = pos + 1 + static_cast<int32_t>(rng() % 50);
+        } else {
+          idx[i] = i > 0 ? idx[rng() % i] : 0;
+        }
+      }
+    }
+  }
+
+  const DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
+  const DeviceBuffer<int32_t> bt_d = to_device(pool.block_table);
+  const DeviceBuffer<int32_t> req_d = to_device(row_req), pos_d = to_device(row_pos);
+  const DeviceBuffer<float> q_d = to_device(q);
+  DeviceBuffer<int32_t> idx_d = ac.sparse ? to_device(indices) : DeviceBuffer<int32_t>();
+  DeviceBuffer<float> out_d(static_cast<size_t>(rows) * H * C), lse_d(static_cast<size_t>(rows) * H);
+  auto run = [&] {
+    const std::vector<float> poison_out(out_d.size(), std::bit_cast<float>(kPoisonBits));
+    const std::vector<float> poison_lse(lse_d.size(), std::bit_cast<float>(kPoisonBits));
+    out_d.upload(poison_out.data());
+    lse_d.upload(poison_lse.data());
+    mla_attend_generic(q_d.get(), rows, H, C, R, req_d.get(), pos_d.get(),
+                       Pages{pool_d.get(), pool.page_stride, pool.page_size}, BlockTable{bt_d.get(), pool.bt_stride},
+                       kv_scale, softmax_scale, ac.sparse ? idx_d.get() : nullptr, ac.sparse ? k : 0, out_d.get(),
+                       lse_d.get(), nullptr);
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    return std::make_pair(to_host(out_d), to_host(lse_d));
+  };
+  const auto [out, lse] = run();
+  const auto [out2, lse2] = run();
+  EXPECT_EQ(std::memcmp(out.data(), out2.data(), out.size() * sizeof(float)), 0) << "second launch differs (out)";
+  EXPECT_EQ(std::memcmp(lse.data(), lse2.data(), lse.size() * sizeof(float)), 0) << "second launch differs (lse)";
+
+  // Bound: both sides are fp32 with different summation orders (8-lane dots and one softmax pass on the CPU; 32-lane
+  // dots, a butterfly and an online softmax over tiles on the GPU). The scores' rounding differences are a few
+  // 1e-7 absolute for these magnitudes, which moves lse by about as much and each probability by about as much
+  // relative, so out is off by a few 1e-7 * max|value| of the attended rows: 1e-5 leaves an order of magnitude.
+  double worst = 0.0, worst_lse = 0.0;
+  int64_t bad = 0, poisoned = 0, empty_rows = 0;
+  std::vector<float> ref(static_cast<size_t>(H) * C), ref_lse(static_cast<size_t>(H));
+  for (int row = 0; row < rows; ++row) {
+    const size_t r = static_cast<size_t>(row_req[static_cast<size_t>(row)]);
+    const int pos = row_pos[static_cast<size_t>(row)];
+    const int32_t* idx = ac.sparse ? indices.data() + static_cast<size_t>(row) * k : nullptr;
+    cpu::mla_attend_absorbed(q.data() + static_cast<size_t>(row) * H * width, H, C, R, pool.values[r].data(), pos + 1,
+                             idx, ac.sparse ? k : 0, softmax_scale, ref.data(), ref_lse.data());
+    float vmax = 0.0f;
+    for (int i = 0; i < (ac.sparse ? k : pos + 1); ++i) {
+      const int p = ac.sparse ? idx[i] : i;
+      if (p < 0 || p > pos) continue;
+      for (int c = 0; c < C; ++c) vmax = std::max(vmax, std::fabs(pool.values[r][static_cast<size_t>(p) * width + c]));
+    }
+    if (ref_lse[0] == -kInf) ++empty_rows;
+    const float tol = 1e-5f * vmax + 1e-6f;
+    for (int h = 0; h < H; ++h) {
+      const size_t hq = static_cast<size_t>(row) * H + h;
+      const float rl = ref_lse[static_cast<size_t>(h)];
+      if (bits(lse[hq]) == kPoisonBits) ++poisoned;
+      const bool lse_ok = rl == -kInf ? lse[hq] == -kInf : std::fabs(lse[hq] - rl) <= 1e-5f * (1.0f + std::fabs(rl));
+      if (!lse_ok && bad++ < 8)
+        ADD_FAILURE() << "lse, row " << row << " (request " << r << ", position " << pos << ") head " << h << ": "
+                      << lse[hq] << " vs " << rl;
+      if (rl != -kInf) worst_lse = std::max(worst_lse, std::fabs(double{lse[hq]} - rl) / (1.0 + std::fabs(rl)));
+      for (int c = 0; c < C; ++c) {
+        const float g = out[hq * C + c], rv = ref[static_cast<size_t>(h) * C + c];
+        if (bits(g) == kPoisonBits) ++poisoned;
+        const float err = std::fabs(g - rv);
+        if (!(err <= tol) && bad++ < 8)
+          ADD_FAILURE() << "out, row " << row << " (request " << r << ", position " << pos << ") head " << h
+                        << " col " << c << ": " << g << " vs " << rv << " (tolerance " << tol << ")";
+        if (vmax > 0.0f) worst = std::max(worst, double{err} / vmax);
+      }
+    }
+  }
+  EXPECT_EQ(poisoned, 0) << "outputs never written";
+  EXPECT_EQ(bad, 0) << "elements over the bound";
+  EXPECT_EQ(empty_rows, ac.sparse ? 1 : 0) << "the case should hold exactly one row without a valid index";
+  std::printf("mla_attend_generic %s: largest |out error| / max|v| = %.3g (bound 1e-5), largest lse error / "
+              "(1+|lse|) = %.3g (bound 1e-5)\n",
+              attend_case_name({GetParam(), 0}).c_str(), worst, worst_lse);
+}
+
+std::vector<AttendCase> attend_cases() {
+  std::vector<AttendCase> cases;
+  const int shapes[][2] = {{64, 16}, {128, 16}, {512, 64}};
+  for (const auto& cr : shapes)
+    for (int H : {1, 4, 12, 16})
+      for (int page_size : {16, 64})
+        for (bool sparse : {false, true}) cases.push_back({cr[0], cr[1], H, page_size, sparse});
+  // Widths where C is not a multiple of the 128 value columns per thread pass, up to the largest row.
+  cases.push_back({200, 24, 9, 16, false});
+  cases.push_back({1000, 24, 3, 64, true});
+  cases.push_back({1000, 24, 8, 16, false});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MlaAttendGeneric, ::testing::ValuesIn(attend_cases()), attend_case_name);
+
+// Hand-worked: C = 8, R = 4, kv_scale 1; position 0 holds 1.0 everywhere (code 0x38), position 1 holds 2.0 (0x40);
+// q = 1 everywhere and softmax_scale = ln 2 / 12, so the scores are ln 2 and 2 ln 2 (exp: 2 and 4).
+// Dense: a row at position 1 gets out = (2 * 1 + 4 * 2) / 6 = 5/3, lse = ln 6; a row at position 0 gets 1, ln 2.
+// Index lists of k = 4: {0, -1, -1, -1} at position 1 sees position 0 only (1, ln 2); {1, 1, -1, 1} at position 0
+// sees nothing (0, -inf); {1, 0, -1, 1} at position 1 counts position 1 twice: out = (4 * 2 + 2 * 1 + 4 * 2) / 10 =
+// 1.8, lse = ln 10.
+TEST(MlaAttendGenericHand, TwoPositions) {
+  REQUIRE_GPU();
+  constexpr int C = 8, R = 4, W = C + R, page_size = 16;
+  std::vector<uint8_t> page(page_size * W, 0x7F);
+  std::fill_n(page.begin(), W, uint8_t{0x38});
+  std::fill_n(page.begin() + W, W, uint8_t{0x40});
+  const DeviceBuffer<uint8_t> page_d = to_device(page);
+  const DeviceBuffer<int32_t> bt_d = to_device(std::vector<int32_t>{0});
+  const DeviceBuffer<int32_t> req_d = to_device(std::vector<int32_t>{0, 0, 0});
+  const DeviceBuffer<int32_t> pos_d = to_device(std::vector<int32_t>{1, 0, 1});
+  const DeviceBuffer<float> q_d = to_device(std::vector<float>(3 * W, 1.0f));
+  const float scale = std::log(2.0f) / 12.0f;
+  DeviceBuffer<float> out_d(3 * C), lse_d(3);
+  const Pages pages{page_d.get(), int64_t{page_size} * W, page_size};
+
+  mla_attend_generic(q_d.get(), 2, 1, C, R, req_d.get(), pos_d.get(), pages, BlockTable{bt_d.get(), 1}, 1.0f, scale,
+                     nullptr, 0, out_d.get(), lse_d.get(), nullptr);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> out = to_host(out_d), lse = to_host(lse_d);
+  for (int c = 0; c < C; ++c) {
+    EXPECT_NEAR(out[c], 5.0f / 3.0f, 1e-6f);
+    EXPECT_NEAR(out[C + c], 1.0f, 1e-6f);
+  }
+  EXPECT_NEAR(lse[0], std::log(6.0f), 1e-6f);
+  EXPECT_NEAR(lse[1], std::log(2.0f), 1e-6f);
+
+  const DeviceBuffer<int32_t> idx3_d = to_device(std::vector<int32_t>{0, -1, -1, -1, 1, 1, -1, 1, 1, 0, -1, 1});
+  constexpr int k = 4;
+  mla_attend_generic(q_d.get(), 3, 1, C, R, req_d.get(), pos_d.get(), pages, BlockTable{bt_d.get(), 1}, 1.0f, scale,
+                     idx3_d.get(), k, out_d.get(), lse_d.get(), nullptr);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  out = to_host(out_d);
+  lse = to_host(lse_d);
+  for (int c = 0; c < C; ++c) {
+    EXPECT_NEAR(out[c], 1.0f, 1e-6f);
+    EXPECT_EQ(out[C + c], 0.0f);
+    EXPECT_NEAR(out[2 * C + c], 1.8f, 1e-6f);
+  }
+  EXPECT_NEAR(lse[0], std::log(2.0f), 1e-6f);
+  EXPECT_EQ(lse[1], -kInf);
+  EXPECT_NEAR(lse[2], std::log(10.0f), 1e-6f);
+}
+
+// ---------------------------------------------------------------- fp32 -> bf16 rows
+
+TEST(ToBf16Rows, MatchesCpuBitForBit) {
+  REQUIRE_GPU();
+  std::mt19937 rng(4242);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  struct Shape {
+    int64_t rows, cols, ldx, ldy;
+  };
+  for (const Shape& sh : {Shape{1, 1, 1, 1}, Shape{7, 37, 41, 40}, Shape{300, 576, 576, 600}, Shape{3, 1000, 1003, 1000}}) {
+    // Random bit patterns (every exponent, NaNs with payloads, infinities, subnormals), values whose dropped half is
+    // exactly a tie, values near FLT_MAX that round to inf, and ordinary values.
+    std::vector<float> x(static_cast<size_t>(sh.rows * sh.ldx));
+    for (float& v : x) {
+      switch (rng() % 4) {
+        case 0: v = std::bit_cast<float>(static_cast<uint32_t>(rng())); break;
+        case 1: v = std::bit_cast<float>((static_cast<uint32_t>(rng()) & 0xFFFF0000u) | 0x8000u); break;
+        case 2: v = (rng() % 2 ? 1.0f : -1.0f) * std::numeric_limits<float>::max() * (1.0f - 1e-3f * (rng() % 3)); break;
+        default: v = n(rng);
+      }
+    }
+    constexpr uint16_t kSentinel = 0xDEAD;
+    std::vector<uint16_t> y(static_cast<size_t>(sh.rows * sh.ldy), kSentinel);
+    const DeviceBuffer<float> x_d = to_device(x);
+    DeviceBuffer<uint16_t> y_d = to_device(y);
+    to_bf16_rows(x_d.get(), sh.ldx, sh.rows, sh.cols, y_d.get(), sh.ldy, nullptr);
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = to_host(y_d);
+    int64_t bad = 0;
+    for (int64_t r = 0; r < sh.rows; ++r)
+      for (int64_t j = 0; j < sh.ldy; ++j) {
+        const uint16_t want = j < sh.cols ? f32_to_bf16(x[static_cast<size_t>(r * sh.ldx + j)]) : kSentinel;
+        const uint16_t g = got[static_cast<size_t>(r * sh.ldy + j)];
+        if (g != want && bad++ < 8)
+          ADD_FAILURE() << sh.rows << "x" << sh.cols << ": y[" << r << ", " << j << "] = 0x" << std::hex << g
+                        << ", expected 0x" << want << std::dec;
+      }
+    EXPECT_EQ(bad, 0);
+  }
+}
+
+// ---------------------------------------------------------------- argument checks (no launch: every call throws)
+
+TEST(MlaGlueArguments, BadArgumentsThrow) {
+  // Fake, never dereferenced pointers: each call below fails its checks before anything reaches the device.
+  auto* fake_f = reinterpret_cast<float*>(uintptr_t{256});
+  auto* fake_b = reinterpret_cast<uint8_t*>(uintptr_t{256});
+  auto* fake_i = reinterpret_cast<int32_t*>(uintptr_t{256});
+  auto* fake_l = reinterpret_cast<int64_t*>(uintptr_t{256});
+  auto* fake_h = reinterpret_cast<uint16_t*>(uintptr_t{256});
+  const Pages pages{fake_b, 16 * 80, 16};
+  const BlockTable bt{fake_i, 4};
+
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 80, 4, 64, 16, 0.0f, fake_l, pages, nullptr), Error);
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 80, 4, 64, 16, kInf, fake_l, pages, nullptr), Error);
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 79, 4, 64, 16, 1.0f, fake_l, pages, nullptr), Error);
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 80, -1, 64, 16, 1.0f, fake_l, pages, nullptr), Error);
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 80, 4, 64, 16, 1.0f, nullptr, pages, nullptr), Error);
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 80, 4, 64, 16, 1.0f, fake_l, Pages{fake_b, 16 * 80 - 1, 16}, nullptr),
+               Error);
+  EXPECT_THROW(mla_latent_write_fp8(fake_f, 80, 4, 64, 16, 1.0f, fake_l, Pages{nullptr, 16 * 80, 16}, nullptr),
+               Error);
+
+  auto attend = [&](int H, int C, int R, const Pages& p, const BlockTable& b, float kv_scale, const int32_t* idx,
+                    int k, float* out) {
+    mla_attend_generic(fake_f, 3, H, C, R, fake_i, fake_i, p, b, kv_scale, 0.1f, idx, k, out, fake_f, nullptr);
+  };
+  EXPECT_THROW(attend(0, 64, 16, pages, bt, 1.0f, nullptr, 0, fake_f), Error);
+  EXPECT_THROW(attend(4, 1000, 25, Pages{fake_b, 16 * 1025, 16}, bt, 1.0f, nullptr, 0, fake_f), Error);
+  EXPECT_THROW(attend(4, 64, 16, Pages{fake_b, 16 * 80 - 16, 16}, bt, 1.0f, nullptr, 0, fake_f), Error);
+  EXPECT_THROW(attend(4, 64, 16, pages, BlockTable{fake_i, 0}, 1.0f, nullptr, 0, fake_f), Error);
+  EXPECT_THROW(attend(4, 64, 16, pages, BlockTable{nullptr, 4}, 1.0f, nullptr, 0, fake_f), Error);
+  EXPECT_THROW(attend(4, 64, 16, pages, bt, -1.0f, nullptr, 0, fake_f), Error);
+  EXPECT_THROW(attend(4, 64, 16, pages, bt, 1.0f, fake_i, -2, fake_f), Error);
+  EXPECT_THROW(attend(4, 64, 16, pages, bt, 1.0f, nullptr, 0, nullptr), Error);
+
+  EXPECT_THROW(to_bf16_rows(fake_f, 10, 4, 11, fake_h, 11, nullptr), Error);
+  EXPECT_THROW(to_bf16_rows(fake_f, 11, 4, 11, fake_h, 10, nullptr), Error);
+  EXPECT_THROW(to_bf16_rows(fake_f, 11, -1, 11, fake_h, 11, nullptr), Error);
+  EXPECT_THROW(to_bf16_rows(nullptr, 11, 4, 11, fake_h, 11, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace kestrel::cuda
