@@ -104,6 +104,7 @@ void check_gemm_problem(const GemmProblem& p, const char* fn) {
   KESTREL_CHECK(p.ldw >= w_cols, "{}: ldw={} must be >= {}={} (transpose_w={})", fn, p.ldw, p.transpose_w ? "K" : "N",
                 w_cols, p.transpose_w);
   KESTREL_CHECK(p.ldy >= p.N, "{}: ldy={} must be >= N={}", fn, p.ldy, p.N);
+  KESTREL_CHECK(!(p.accumulate && p.y_bf16), "{}: accumulate needs an fp32 output", fn);
   KESTREL_CHECK(p.stride_x >= 0 && p.stride_w >= 0 && p.stride_y >= 0,
                 "{}: strides must be non-negative, got {}, {}, {}", fn, p.stride_x, p.stride_w, p.stride_y);
   if (p.M == 0 || p.batch == 0) return;

@@ -15,9 +15,10 @@ namespace kestrel::cuda {
 // x_b = x + b * stride_x (row-major, leading dimension ldx >= K), w_b = w + b * stride_w and
 //   transpose_w = true:  w_b is [N, K] row-major (ldw >= K) and op(w_b) = w_b^T  (a linear layer),
 //   transpose_w = false: w_b is [K, N] row-major (ldw >= N) and op(w_b) = w_b,
-// y_b = y + b * stride_y (row-major, ldy >= N), fp32 or, with y_bf16, bf16 bits rounded to nearest even (an
-// accumulated bf16 output is read back as fp32, added in fp32, rounded once). Strides are in elements and may
-// index heads inside a row (x = q, ldx = H * dq, stride_x = dq); the batches' outputs must not overlap.
+// y_b = y + b * stride_y (row-major, ldy >= N), fp32 or, with y_bf16, bf16 bits rounded to nearest even.
+// accumulate needs an fp32 output (cuBLASLt adds a bf16 C after rounding the product to bf16, which is not the
+// fp32 sum rounded once). Strides are in elements and may index heads inside a row (x = q, ldx = H * dq,
+// stride_x = dq); the batches' outputs must not overlap.
 struct GemmProblem {
   const uint16_t* x = nullptr;
   int64_t ldx = 0;
@@ -38,7 +39,7 @@ struct GemmProblem {
 };
 
 // Throws kestrel::Error unless p is well formed: M, batch >= 0; N, K >= 1; leading dimensions as above; strides
-// >= 0; outputs of different batches disjoint; pointers set when there is work.
+// >= 0; outputs of different batches disjoint; no accumulation into bf16; pointers set when there is work.
 void check_gemm_problem(const GemmProblem& p, const char* fn);
 
 // The plain CUDA kernel behind Gemm's fallback: each output is one fp32 sum over k = 0, 1, ..., K-1 in order (no

@@ -203,8 +203,7 @@ __global__ void __launch_bounds__(kThreads) gemm_simple_kernel(GemmProblem p) {
         if (m >= p.M || n >= p.N) continue;
         const int64_t at = b * p.stride_y + m * p.ldy + n;
         if (p.y_bf16) {
-          uint16_t* y = static_cast<uint16_t*>(p.y);
-          y[at] = f32_to_bf16_bits(p.accumulate ? bf16_bits_to_f32(y[at]) + acc[i] : acc[i]);
+          static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(acc[i]);
         } else {
           float* y = static_cast<float*>(p.y);
           y[at] = p.accumulate ? y[at] + acc[i] : acc[i];

@@ -25,8 +25,9 @@ namespace {
 #define SKIP_WITHOUT_GPU() \
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
-// Half a bf16 ulp, relative: the largest relative error of rounding an fp32 value to bf16 (nearest even).
-constexpr double kBf16HalfUlp = 1.0 / 512;
+// Half a bf16 ulp relative to the value: the largest relative error of rounding an fp32 value to bf16 (nearest
+// even; 8 significant bits, so an ulp is 2^-7 of the power of two below the value).
+constexpr double kBf16HalfUlp = 1.0 / 256;
 
 std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float std_dev = 1.0f) {
   std::normal_distribution<float> normal(0.0f, std_dev);
@@ -81,13 +82,14 @@ int64_t span(int64_t batch, int64_t stride, int64_t rows, int64_t ld, int64_t co
 class GemmCheck {
  public:
   GemmCheck(const GemmCase& c, uint32_t seed) : c_(c) {
+    if (c.api == Api::kLinearBf16) c_.y_bf16 = true;
     GemmProblem& p = p_;
     p.M = c.M;
     p.N = c.N;
     p.K = c.K;
     p.batch = c.batch;
     p.transpose_w = c.transpose_w;
-    p.y_bf16 = c.y_bf16;
+    p.y_bf16 = c_.y_bf16;
     p.accumulate = c.accumulate;
     p.ldx = c.ldx ? c.ldx : c.K;
     p.ldw = c.ldw ? c.ldw : (c.transpose_w ? c.K : c.N);
@@ -107,14 +109,14 @@ class GemmCheck {
     for (float& v : y0_) v = round_to_bf16(std::normal_distribution<float>(0.0f, 4.0f)(rng));
     x_dev_ = to_device(x_);
     w_dev_ = to_device(w_);
-    if (c.y_bf16) {
+    if (c_.y_bf16) {
       y_bf16_dev_ = DeviceBuffer<uint16_t>(y_size);
     } else {
       y_f32_dev_ = DeviceBuffer<float>(y_size);
     }
     p.x = x_dev_.get() + c.x_offset;
     p.w = w_dev_.get();
-    p.y = c.y_bf16 ? static_cast<void*>(y_bf16_dev_.get()) : static_cast<void*>(y_f32_dev_.get());
+    p.y = c_.y_bf16 ? static_cast<void*>(y_bf16_dev_.get()) : static_cast<void*>(y_f32_dev_.get());
     compute_reference();
   }
 
@@ -303,8 +305,12 @@ std::vector<GemmCase> gemm_cases() {
   GemmCase acc1{"linear accumulate M=1", Api::kLinear, 1, 77, 24};
   acc1.accumulate = true;
   cases.push_back(acc1);
-  GemmCase acc_bf16{"run accumulate bf16 batched", Api::kRun, 5, 16, 48, 3, false, true, true};
-  cases.push_back(acc_bf16);
+  cases.push_back({"run bf16 batched no transpose", Api::kRun, 5, 16, 48, 3, false, true});
+  GemmCase heads_acc = unabsorb_case(5);
+  heads_acc.name = "run unabsorb accumulate";
+  heads_acc.api = Api::kRun;
+  heads_acc.accumulate = true;
+  cases.push_back(heads_acc);
   GemmCase heads_bf16 = unabsorb_case(3);
   heads_bf16.name = "run unabsorb bf16";
   heads_bf16.api = Api::kRun;
@@ -455,6 +461,10 @@ TEST(GemmCuda, RejectsMalformedProblems) {
   EXPECT_THROW(check_gemm_problem(q, "test"), Error);
   q = p;
   q.ldy = 7;
+  EXPECT_THROW(check_gemm_problem(q, "test"), Error);
+  q = p;
+  q.y_bf16 = true;
+  q.accumulate = true;
   EXPECT_THROW(check_gemm_problem(q, "test"), Error);
   q = p;
   q.K = 0;
