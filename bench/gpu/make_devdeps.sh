@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Makes .devdeps/ for bench/gpu/run_h200.sh: fmt as a header-only package and the googletest sources, copied from
-# this machine's Debian packages (libfmt-dev, googletest), so that a GPU machine without them or a network can
+# Makes .devdeps/ for bench/gpu/run_h200.sh: fmt as a header-only package, the googletest sources, nlohmann-json,
+# xxHash and Oniguruma, copied from this machine's Debian packages (libfmt-dev, googletest, nlohmann-json3-dev,
+# libxxhash-dev, libonig-dev), so that a GPU machine without them or a network can
 # configure bench/gpu/CMakeLists.txt. Run once here, then carry `.devdeps` with the device call. The folder is
 # git-ignored through .git/info/exclude, never committed.
 set -euo pipefail
@@ -8,7 +9,14 @@ cd "$(dirname "$0")/../.."
 D=.devdeps
 rm -rf "$D"
 mkdir -p "$D/include" "$D/fmt"
-cp -r /usr/include/fmt "$D/include/"
+cp -r /usr/include/fmt /usr/include/nlohmann "$D/include/"
+# The engine's own dependencies, for the GPU engine's tests (tests/gpu): xxHash (static library and header) and
+# Oniguruma (header and shared library; the GPU machine's loader finds it through the rpath CMake sets).
+mkdir -p "$D/lib"
+cp /usr/include/xxhash.h /usr/include/oniguruma.h "$D/include/"
+cp /usr/lib/x86_64-linux-gnu/libxxhash.a "$D/lib/"
+cp -L /usr/lib/x86_64-linux-gnu/libonig.so.5 "$D/lib/"
+ln -sf libonig.so.5 "$D/lib/libonig.so"
 cp -r /usr/src/googletest "$D/googletest"
 rm -rf "$D/googletest/googletest/docs" "$D/googletest/googletest/test" "$D/googletest/googletest/samples" \
   "$D/googletest/googlemock/test"

@@ -6,10 +6,10 @@
 
 namespace kestrel {
 
-CacheManager::CacheManager(const CachePlan& plan, int32_t num_rows, bool prefix_caching)
+CacheManager::CacheManager(const CachePlan& plan, int32_t num_rows, bool prefix_caching, bool host_rows)
     : plan_(plan),
       prefix_caching_(prefix_caching),
-      pool_(num_rows, plan.row_bytes),
+      pool_(num_rows, plan.row_bytes, host_rows),
       prefix_(pool_, plan.block_size, plan.state_rows_per_request) {}
 
 void CacheManager::hash_blocks(SequenceRows& rows, std::span<const int32_t> tokens, int64_t n_blocks,

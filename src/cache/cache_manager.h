@@ -29,7 +29,8 @@ struct RowOp {
 class CacheManager {
  public:
   // checkpoint_rows of a checkpoint = the plan's state rows per request.
-  CacheManager(const CachePlan& plan, int32_t num_rows, bool prefix_caching);
+  // host_rows false: the rows' bytes live on a GPU (RowPool without host storage).
+  CacheManager(const CachePlan& plan, int32_t num_rows, bool prefix_caching, bool host_rows = true);
   CacheManager(const CacheManager&) = delete;
   CacheManager& operator=(const CacheManager&) = delete;
 

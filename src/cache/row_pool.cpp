@@ -17,11 +17,11 @@ uint8_t* allocate_rows(int64_t bytes) {
 }
 }  // namespace
 
-RowPool::RowPool(int32_t num_rows, int64_t row_bytes)
+RowPool::RowPool(int32_t num_rows, int64_t row_bytes, bool host_storage)
     : num_rows_(num_rows), row_bytes_(row_bytes), data_(nullptr, [](uint8_t* p) { std::free(p); }) {
   KESTREL_CHECK(num_rows > 0 && row_bytes > 0, "a cache pool needs rows (got {} rows of {} bytes)", num_rows,
                 row_bytes);
-  data_.reset(allocate_rows(int64_t{num_rows} * row_bytes));
+  if (host_storage) data_.reset(allocate_rows(int64_t{num_rows} * row_bytes));
   meta_.resize(num_rows);
   for (int32_t r = 0; r < num_rows; ++r) push_back(free_, Where::free, r);
 }

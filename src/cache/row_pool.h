@@ -11,13 +11,15 @@ namespace kestrel {
 
 class RowPool {
  public:
-  RowPool(int32_t num_rows, int64_t row_bytes);
+  // host_storage false: the bookkeeping only; the rows' bytes live elsewhere (a GPU's memory, owned by the model
+  // runner), and base()/row() are null.
+  RowPool(int32_t num_rows, int64_t row_bytes, bool host_storage = true);
 
   int32_t num_rows() const { return num_rows_; }
   int64_t row_bytes() const { return row_bytes_; }
   uint8_t* base() { return data_.get(); }
   const uint8_t* base() const { return data_.get(); }
-  uint8_t* row(int32_t r) { return data_.get() + r * row_bytes_; }
+  uint8_t* row(int32_t r) { return data_ ? data_.get() + r * row_bytes_ : nullptr; }
 
   // Rows allocate() can hand out: free rows plus idle cached rows.
   int32_t num_available() const { return free_.size + idle_.size; }

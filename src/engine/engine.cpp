@@ -60,12 +60,13 @@ int64_t resolve_max_model_len(const Model& model, const EngineConfig& cfg, const
 Engine::Engine(const Model& model, const EngineConfig& cfg)
     : model_(model),
       cfg_(cfg),
-      cache_(engine_plan(model, cfg), pool_rows(engine_plan(model, cfg), cfg), cfg.enable_prefix_caching),
+      cache_(engine_plan(model, cfg), pool_rows(engine_plan(model, cfg), cfg), cfg.enable_prefix_caching,
+             !cfg.executor),
       max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
                                  cfg.checkpoint_interval},
                  cache_),
-      runner_(model, cache_) {}
+      runner_(cfg.executor ? cfg.executor(model, cache_) : std::make_unique<ModelRunner>(model, cache_)) {}
 
 RequestId Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& params, int priority,
                               bool keep_logits, uint64_t cache_key) {
@@ -143,7 +144,7 @@ void Engine::fork(Sequence& parent, const float* logits, StepOutput& out) {
     std::vector<RowOp> ops;
     if (scheduler_.num_running() < cfg_.max_num_seqs &&
         cache_.fork(parent.rows, parent.num_computed, child->rows, ops)) {
-      runner_.apply(ops);
+      runner_->apply(ops);
       child->num_computed = parent.num_computed;
       scheduler_.add_running(child.get());
     } else {
@@ -161,7 +162,7 @@ StepOutput Engine::step() {
   KESTREL_CHECK(!plan.seqs.empty() || scheduler_.idle(),
                 "no sequence could be scheduled although {} wait and {} run", scheduler_.num_waiting(),
                 scheduler_.num_running());
-  const std::vector<float>& logits = runner_.execute(plan);
+  const std::vector<float>& logits = runner_->execute(plan);
   scheduler_.commit(plan);
   const int64_t V = model_.config().vocab_size;
   int64_t row = 0;

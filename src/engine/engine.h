@@ -8,6 +8,7 @@
 
 #include "cache/cache_manager.h"
 #include "engine/model_runner.h"
+#include "engine/step_executor.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
 #include "model/model.h"
@@ -25,6 +26,8 @@ struct EngineConfig {
   SchedulingPolicy policy = SchedulingPolicy::fcfs;
   bool enable_prefix_caching = true;
   int checkpoint_interval = 1;   // KDA checkpoints every this many blocks of prompt
+  // Empty: the CPU model runner over a host pool. Set (the GPU runner): the pool's bytes live with the executor.
+  StepExecutorFactory executor;
 };
 
 // A token a sequence produced in a step.
@@ -80,7 +83,7 @@ class Engine {
   CacheManager cache_;
   int64_t max_model_len_;
   Scheduler scheduler_;
-  ModelRunner runner_;
+  std::unique_ptr<StepExecutor> runner_;
   std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
   RequestId next_id_ = 0;
   EngineStats stats_;

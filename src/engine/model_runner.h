@@ -6,18 +6,19 @@
 
 #include "cache/cache_manager.h"
 #include "engine/scheduler.h"
+#include "engine/step_executor.h"
 #include "engine/step_inputs.h"
 #include "model/model.h"
 
 namespace kestrel {
 
-class ModelRunner {
+class ModelRunner : public StepExecutor {
  public:
   ModelRunner(const Model& model, CacheManager& cache) : model_(model), cache_(cache) {}
   // Row copies and zeroing on the pool, in order.
-  void apply(std::span<const RowOp> ops);
+  void apply(std::span<const RowOp> ops) override;
   // Runs the plan's row ops and forward. Returns the logits [wanted positions, vocab], sequences in plan order.
-  const std::vector<float>& execute(const StepPlan& plan);
+  const std::vector<float>& execute(const StepPlan& plan) override;
 
  private:
   const Model& model_;

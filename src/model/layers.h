@@ -15,6 +15,8 @@
 namespace kestrel {
 
 class WeightLoader;
+// The GPU backend (src/gpu) reads a loaded model's weights to upload them; it is the one friend of the modules.
+struct GpuWeightAccess;
 
 // How the MLA latent is kept in the cache (--kv-cache-dtype) and how index keys are (--index-dtype).
 enum class LatentCacheDtype { auto_fp32, fp8, nvfp4 };
@@ -80,6 +82,8 @@ struct Indexer {
 };
 
 class MlaAttention {
+  friend struct GpuWeightAccess;
+
  public:
   MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix, LatentCacheDtype latent,
                IndexKeyDtype keys = IndexKeyDtype::fp8);
@@ -142,6 +146,8 @@ class MlaAttention {
 };
 
 class KdaMixer {
+  friend struct GpuWeightAccess;
+
  public:
   KdaMixer(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix);
   // T new tokens at positions pos0 ...; y: [T, hidden]. chunked: the chunked (WY) form with chunks at absolute
@@ -163,6 +169,8 @@ struct FeedForward {
 };
 
 class MoE {
+  friend struct GpuWeightAccess;
+
  public:
   // expert_names: {gate, up, down} suffixes of experts.{e}.<name> (kimi: w1/w3/w2; deepseek: *_proj).
   MoE(const ModelConfig& cfg, WeightLoader& w, const std::string& prefix, const char* const expert_names[3]);

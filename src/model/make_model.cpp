@@ -139,6 +139,34 @@ ModelConfig small_k3() {
   return c;
 }
 
+// kimi_linear at Kimi-Linear-48B's per-layer widths (KDA 32 heads of 128, MLA 32 heads, latent 512 + 64, bf16
+// weights), with fewer layers and experts: what the GPU path's fast kernels run on.
+ModelConfig small_kimi_linear() {
+  ModelConfig c = kimi_base(Arch::kimi_linear);
+  c.vocab_size = 4096;
+  c.hidden_size = 1024;
+  c.num_hidden_layers = 4;
+  set_layers(c, {4});
+  c.intermediate_size = 2048;
+  c.num_attention_heads = 32;
+  c.q_lora_rank = 0;
+  c.kv_lora_rank = 512;
+  c.qk_nope_head_dim = 128;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.kda_num_heads = 32;
+  c.kda_head_dim = 128;
+  c.n_routed_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 256;
+  c.n_shared_experts = 1;
+  c.routed_scaling_factor = 2.446f;
+  c.max_position_embeddings = 1048576;
+  c.bos_token_id = kTinyBosId;
+  c.eos_token_id = kTinyEosId;
+  return c;
+}
+
 ModelConfig k31_pro() {
   ModelConfig c = kimi_base(Arch::kimi_k3);
   c.vocab_size = 163840;
@@ -430,6 +458,7 @@ const std::vector<Preset>& presets() {
       {"tiny", Arch::kimi_linear, true, ""},
       {"tiny", Arch::deepseek_v32, true, ""},
       {"small", Arch::kimi_k3, true, ""},
+      {"small", Arch::kimi_linear, true, ""},
       {"k3.1-pro", Arch::kimi_k3, false,
        "From the seed: 93 layers (69 KDA + 24 full attention), 96 MLA heads, latent 512+64, indexer 32x128 top-2048, "
        "896 experts top-16 MXFP4, 1M context. Assumptions chosen to match 2.8T total / 104B active: hidden 7168, "
@@ -453,7 +482,7 @@ const Preset& find_preset(Arch arch, const std::string& name) {
 
 ModelConfig preset_config(const Preset& p) {
   if (p.name == "tiny") return p.arch == Arch::deepseek_v32 ? tiny_deepseek() : tiny_kimi(p.arch);
-  if (p.name == "small") return small_k3();
+  if (p.name == "small") return p.arch == Arch::kimi_linear ? small_kimi_linear() : small_k3();
   if (p.name == "k3.1-pro") return k31_pro();
   if (p.name == "kimi-linear-48b") return kimi_linear_48b();
   if (p.name == "deepseek-v3.2") return deepseek_v32_full();

@@ -81,6 +81,8 @@ struct DecoderLayer {
 };
 
 class Model {
+  friend struct GpuWeightAccess;
+
  public:
   // Loads config.json and the safetensors checkpoint of `dir`; every tensor must be consumed (tensors of extra
   // MTP layers beyond num_hidden_layers are skipped), otherwise an Error lists the unexpected ones.

@@ -17,5 +17,5 @@ function(kestrel_cuda_target target)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
                                -Xptxas=-warn-spills --expt-relaxed-constexpr>)
-  target_link_libraries(${target} PUBLIC CUDA::cudart)
+  target_link_libraries(${target} PUBLIC CUDA::cudart CUDA::cublasLt)  # cuBLASLt: the bf16 GEMMs (gemm.h)
 endfunction()

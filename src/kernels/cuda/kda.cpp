@@ -32,6 +32,10 @@ detail::KdaTokenArgs token_args(const char* fn, const KdaInputs& in, int H, int 
   KESTREL_CHECK(!in.gate_lower_bound || (std::isfinite(*in.gate_lower_bound) && *in.gate_lower_bound < 0.0f),
                 "{}: gate lower bound must be negative, got {}", fn, in.gate_lower_bound.value_or(0.0f));
   KESTREL_CHECK(std::isfinite(in.scale), "{}: scale must be finite, got {}", fn, in.scale);
+  const int64_t state_size = int64_t{H} * dk * dv;
+  KESTREL_CHECK(in.state_stride == 0 || (in.state_stride >= state_size && in.state_stride % 4 == 0),
+                "{}: state_stride {} must be 0 or a multiple of 4 of at least H*dk*dv = {}", fn, in.state_stride,
+                state_size);
   return detail::KdaTokenArgs{in.q,
                               in.k,
                               in.v,
@@ -43,7 +47,8 @@ detail::KdaTokenArgs token_args(const char* fn, const KdaInputs& in, int H, int 
                               in.gate_lower_bound.has_value(),
                               in.beta_is_logit,
                               in.normalize_qk,
-                              in.scale};
+                              in.scale,
+                              in.state_stride ? in.state_stride : state_size};
 }
 
 }  // namespace

@@ -28,6 +28,9 @@ struct KdaInputs {
   bool beta_is_logit = false;  // beta = sigmoid(beta input)
   bool normalize_qk = false;   // q, k are raw: each head vector is divided by sqrt(sum x^2 + 1e-6), as the model does
   float scale = 0.0f;          // multiplies q after normalisation (dk^-1/2 in the model)
+  // Floats from one slot's state to the next in state_pool; 0: H*dk*dv (a pool of bare states). The engine's
+  // packed cache keeps each state inside a larger row, so there it is the row size in floats (a multiple of 4).
+  int64_t state_stride = 0;
 };
 
 // One token for each of N sequences. Sequence i's state is state_pool + slots[i] * H*dk*dv (slots: device array

@@ -33,8 +33,7 @@ __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaTokenArgs in, i
   const int c4 = t & 7;       // column group within the tile
   const int slice = t >> 3;   // key rows slice * kRows ..
 
-  const int64_t state_size = static_cast<int64_t>(H) * kKdaDim * kKdaDim;
-  float* S = state_pool + static_cast<int64_t>(slots[i]) * state_size +
+  float* S = state_pool + static_cast<int64_t>(slots[i]) * in.state_stride +
              (static_cast<int64_t>(h) * kKdaDim + slice * kRows) * kKdaDim + tile * kTileV + c4 * 4;
   float4 s[kRows];
 #pragma unroll

@@ -36,6 +36,7 @@ struct KdaTokenArgs {
   bool beta_is_logit;
   bool normalize_qk;
   float scale;
+  int64_t state_stride;  // floats between slots' states
 };
 
 cudaError_t launch_kda_decode(const KdaTokenArgs& in, int N, int H, float* state_pool, const int32_t* slots,

@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_kernel(KdaPrefillA
 
   const int64_t state_size = static_cast<int64_t>(H) * D * D;
   const int64_t head_offset = static_cast<int64_t>(h) * D * D + tile * kTileV + 4 * tx;
-  float* S_slot = a.state_pool + static_cast<int64_t>(a.slots[b]) * state_size + head_offset;
+  float* S_slot = a.state_pool + static_cast<int64_t>(a.slots[b]) * a.in.state_stride + head_offset;
   float4 s[4];
 #pragma unroll
   for (int y = 0; y < 4; ++y) {

@@ -1,0 +1,831 @@
+#include "gpu/gpu_model.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "core/error.h"
+#include "core/formats.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_glue.h"
+#include "kernels/cuda/linear_f32.h"
+#include "kernels/cuda/mla_decode.h"
+#include "kernels/cuda/mla_glue.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/runtime.h"
+
+namespace kestrel {
+
+namespace {
+constexpr float kLatentNormEps = 1e-6f;  // as model/layers.cpp
+constexpr int kFastKdaDim = 128;         // the chunked and decode KDA kernels' head size
+constexpr int kFastLatentC = 512, kFastLatentR = 64;  // the tensor-core MLA decode kernel's latent
+}  // namespace
+
+// ---------------------------------------------------------------- device weights
+
+namespace gpu {
+
+struct DLinear {
+  const uint16_t* w = nullptr;  // bf16 [out, in]
+  int64_t out = 0, in = 0;
+};
+
+struct DKda {
+  DLinear q, k, v, f_a, f_b, b, g_a, g_b, o;
+  const float *conv_q = nullptr, *conv_k = nullptr, *conv_v = nullptr;  // [P, W]
+  const float *A_log = nullptr, *dt_bias = nullptr, *o_norm = nullptr;
+};
+
+struct DMla {
+  std::optional<DLinear> q_a, q_b, q_proj;
+  const float* q_a_norm = nullptr;
+  DLinear kv_a, o_proj;
+  const float* kv_a_norm = nullptr;
+  const uint16_t* kv_b = nullptr;  // bf16 [H * (dn + dv), C]
+  float kv_scale = 1.0f;
+};
+
+struct DFfn {
+  DLinear w13;  // [gate ; up]: [2F, D]
+  DLinear down;
+  int64_t F = 0;
+};
+
+struct DMoe {
+  const float* router = nullptr;  // fp32 [E, D]
+  const float* bias = nullptr;    // fp32 [E] or null
+  cuda::MoeRoutingParams routing;
+  cuda::MoeExpertWeights experts;
+  std::optional<DFfn> shared;
+};
+
+struct DLayer {
+  const float *input_norm = nullptr, *post_norm = nullptr;
+  std::optional<DKda> kda;
+  std::optional<DMla> mla;
+  std::optional<DFfn> dense;
+  std::optional<DMoe> moe;
+};
+
+struct DeviceWeights {
+  const uint16_t* embed = nullptr;  // bf16 [V, D]
+  const uint16_t* lm_head = nullptr;
+  const float* final_norm = nullptr;
+  std::vector<DLayer> layers;
+};
+
+// Copies host tensors into the arena in the forms the kernels take.
+class Uploader {
+ public:
+  Uploader(DeviceArena& arena, cudaStream_t s) : arena_(arena), stream_(s) {}
+
+  const float* f32(const Tensor& t, const char* what) { return f32(t.data.data(), t.data.size(), what); }
+  const float* f32(const float* p, size_t n, const char* what) {
+    float* d = arena_.take_n<float>(n, what);
+    copy(d, p, n * sizeof(float));
+    return d;
+  }
+  const uint16_t* bf16(const std::vector<const Tensor*>& parts, const char* what) {
+    size_t n = 0;
+    for (const Tensor* t : parts) n += t->data.size();
+    std::vector<uint16_t> h(n);
+    size_t at = 0;
+    for (const Tensor* t : parts)
+      for (float v : t->data) h[at++] = f32_to_bf16(v);
+    uint16_t* d = arena_.take_n<uint16_t>(n, what);
+    copy(d, h.data(), n * sizeof(uint16_t));
+    return d;
+  }
+  DLinear linear(const Linear& l, const char* what) { return {bf16({&l.w}, what), l.out(), l.in()}; }
+  DLinear stacked(const Linear& a, const Linear& b, const char* what) {
+    KESTREL_CHECK(a.in() == b.in(), "{}: stacked weights of different widths", what);
+    return {bf16({&a.w, &b.w}, what), a.out() + b.out(), a.in()};
+  }
+  const uint8_t* bytes(const std::vector<uint8_t>& h, const char* what) {
+    uint8_t* d = arena_.take_n<uint8_t>(h.size(), what);
+    copy(d, h.data(), h.size());
+    return d;
+  }
+  size_t uploaded() const { return uploaded_; }
+
+ private:
+  void copy(void* d, const void* h, size_t n) {
+    KESTREL_CUDA_CHECK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
+    uploaded_ += n;
+  }
+  DeviceArena& arena_;
+  cudaStream_t stream_;
+  size_t uploaded_ = 0;
+};
+
+}  // namespace gpu
+
+// The one friend of the model's modules: reads their host weights for the upload.
+struct GpuWeightAccess {
+  static gpu::DKda kda(const KdaMixer& m, gpu::Uploader& up) {
+    gpu::DKda d;
+    d.q = up.linear(m.q_, "KDA q_proj");
+    d.k = up.linear(m.k_, "KDA k_proj");
+    d.v = up.linear(m.v_, "KDA v_proj");
+    d.f_a = up.linear(m.f_a_, "KDA f_a_proj");
+    d.f_b = up.linear(m.f_b_, "KDA f_b_proj");
+    d.b = up.linear(m.b_, "KDA b_proj");
+    d.g_a = up.linear(m.g_a_, "KDA g_a_proj");
+    d.g_b = up.linear(m.g_b_, "KDA g_b_proj");
+    d.o = up.linear(m.o_, "KDA o_proj");
+    d.conv_q = up.f32(m.conv_q_, "KDA conv");
+    d.conv_k = up.f32(m.conv_k_, "KDA conv");
+    d.conv_v = up.f32(m.conv_v_, "KDA conv");
+    d.A_log = up.f32(m.A_log_, "KDA A_log");
+    d.dt_bias = up.f32(m.dt_bias_, "KDA dt_bias");
+    d.o_norm = up.f32(m.o_norm_, "KDA o_norm");
+    return d;
+  }
+
+  static gpu::DMla mla(const MlaAttention& m, gpu::Uploader& up) {
+    const ModelConfig& cfg = m.cfg_;
+    KESTREL_CHECK(!m.indexer_, "the GPU engine does not run the DSA indexer yet (kimi_k3, deepseek_v32); use --device cpu");
+    KESTREL_CHECK(!cfg.use_rope, "the GPU engine does not apply RoPE in MLA yet (deepseek_v32); use --device cpu");
+    KESTREL_CHECK(m.latent_ == LatentCacheDtype::fp8,
+                  "the GPU engine keeps the MLA latent in FP8 (--kv-cache-dtype fp8), not {}",
+                  m.latent_ == LatentCacheDtype::nvfp4 ? "nvfp4" : "fp32");
+    gpu::DMla d;
+    if (m.q_a_) {
+      d.q_a = up.linear(*m.q_a_, "MLA q_a_proj");
+      d.q_a_norm = up.f32(m.q_a_norm_, "MLA q_a_layernorm");
+      d.q_b = up.linear(*m.q_b_, "MLA q_b_proj");
+    } else {
+      d.q_proj = up.linear(*m.q_proj_, "MLA q_proj");
+    }
+    d.kv_a = up.linear(m.kv_a_, "MLA kv_a_proj");
+    d.kv_a_norm = up.f32(m.kv_a_norm_, "MLA kv_a_layernorm");
+    d.kv_b = up.bf16({&m.kv_b_}, "MLA kv_b_proj");
+    d.o_proj = up.linear(m.o_proj_, "MLA o_proj");
+    d.kv_scale = m.kv_scale_;
+    return d;
+  }
+
+  static gpu::DFfn ffn(const FeedForward& f, gpu::Uploader& up) {
+    return {up.stacked(f.gate, f.up, "FFN gate/up"), up.linear(f.down, "FFN down"), f.gate.out()};
+  }
+
+  static gpu::DMoe moe(const MoE& m, const ModelConfig& cfg, gpu::Uploader& up) {
+    gpu::DMoe d;
+    d.router = up.f32(m.router_, "MoE router");
+    if (!m.bias_.empty()) d.bias = up.f32(m.bias_, "MoE router bias");
+    d.routing = {m.routing_.n_experts, m.routing_.top_k, m.routing_.n_group, m.routing_.topk_group,
+                 m.routing_.renormalize, m.routing_.scaling};
+    const int E = m.routing_.n_experts;
+    const int64_t D = cfg.hidden_size, F = cfg.moe_intermediate_size;
+    cuda::MoeExpertWeights& x = d.experts;
+    x.n_experts = E;
+    x.D = D;
+    x.F = F;
+    if (cfg.weight_quant == WeightQuant::mxfp4 && mxfp4_exact(m, D, F)) {
+      // The checkpoint's MXFP4 experts, re-encoded from their decoded values: mxfp4_exact checked that this gives
+      // back exactly the values the CPU computes with.
+      x.dtype = cuda::ExpertDtype::mxfp4;
+      std::vector<uint8_t> p13(E * 2 * F * D / 2), s13(E * 2 * F * D / 32), p2(E * D * F / 2), s2(E * D * F / 32);
+      for (int e = 0; e < E; ++e) {
+        const FeedForward& f = m.experts_[e];
+        const int64_t n = F * D;
+        mxfp4_encode(f.gate.w.ptr(), n, p13.data() + (2 * e) * n / 2, s13.data() + (2 * e) * n / 32);
+        mxfp4_encode(f.up.w.ptr(), n, p13.data() + (2 * e + 1) * n / 2, s13.data() + (2 * e + 1) * n / 32);
+        mxfp4_encode(f.down.w.ptr(), n, p2.data() + e * n / 2, s2.data() + e * n / 32);
+      }
+      x.w13_packed = up.bytes(p13, "MoE experts (MXFP4)");
+      x.w13_scales = up.bytes(s13, "MoE experts (MXFP4 scales)");
+      x.w2_packed = up.bytes(p2, "MoE experts (MXFP4)");
+      x.w2_scales = up.bytes(s2, "MoE experts (MXFP4 scales)");
+    } else {
+      x.dtype = cuda::ExpertDtype::bf16;
+      std::vector<const Tensor*> w13, w2;
+      for (const FeedForward& f : m.experts_) {
+        w13.push_back(&f.gate.w);
+        w13.push_back(&f.up.w);
+        w2.push_back(&f.down.w);
+      }
+      x.w13 = up.bf16(w13, "MoE experts gate/up");
+      x.w2 = up.bf16(w2, "MoE experts down");
+    }
+    if (m.shared_) d.shared = ffn(*m.shared_, up);
+    return d;
+  }
+
+  // Whether MXFP4 re-encoding reproduces every expert weight exactly (it does for weights that came from MXFP4).
+  static bool mxfp4_exact(const MoE& m, int64_t D, int64_t F) {
+    if (D % 32 != 0 || F % 32 != 0) return false;
+    std::vector<uint8_t> packed(D * F / 2), scales(D * F / 32);
+    std::vector<float> back(D * F);
+    for (const FeedForward& f : m.experts_)
+      for (const Linear* l : {&f.gate, &f.up, &f.down}) {
+        const int64_t n = l->w.numel();
+        mxfp4_encode(l->w.ptr(), n, packed.data(), scales.data());
+        mxfp4_decode(packed.data(), scales.data(), n, back.data());
+        if (std::memcmp(back.data(), l->w.ptr(), n * sizeof(float)) != 0) return false;
+      }
+    return true;
+  }
+
+  static const Tensor& embed(const Model& m) { return m.embed_; }
+  static const Tensor& lm_head(const Model& m) {
+    return m.config().tie_word_embeddings ? m.embed_ : m.lm_head_;
+  }
+  static const Tensor& final_norm(const Model& m) { return m.final_norm_; }
+};
+
+namespace gpu {
+
+// ---------------------------------------------------------------- per-step metadata
+
+// Host-side staging of a step's small tables (pinned) and their device copy: put() appends, flush() copies all at
+// once. Capacity is fixed at start-up from the limits.
+class Staging {
+ public:
+  Staging(DeviceArena& arena, size_t capacity) : capacity_(capacity) {
+    dev_ = arena.take_n<uint8_t>(capacity, "step tables");
+    KESTREL_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_), capacity));
+  }
+  ~Staging() {
+    if (host_) cudaFreeHost(host_);
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+
+  void reset() { used_ = 0; }
+  template <typename T>
+  T* put(const std::vector<T>& v) {
+    const size_t start = (used_ + 15) / 16 * 16, n = v.size() * sizeof(T);
+    KESTREL_CHECK(start + n <= capacity_, "the step's tables need more than the {} bytes set aside", capacity_);
+    if (n) std::memcpy(host_ + start, v.data(), n);
+    used_ = start + n;
+    return reinterpret_cast<T*>(dev_ + start);
+  }
+  void flush(cudaStream_t s) {
+    if (used_) KESTREL_CUDA_CHECK(cudaMemcpyAsync(dev_, host_, used_, cudaMemcpyHostToDevice, s));
+  }
+
+ private:
+  uint8_t* dev_ = nullptr;
+  uint8_t* host_ = nullptr;
+  size_t capacity_ = 0, used_ = 0;
+};
+
+struct StepScratch {
+  cuda::Gemm gemm;
+  std::unique_ptr<Staging> staging;
+  float *h = nullptr, *xf = nullptr, *y = nullptr, *y2 = nullptr;
+  uint16_t* x_bf = nullptr;
+  // KDA
+  float *raw = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *gate = nullptr, *gout = nullptr, *o = nullptr;
+  float *low = nullptr, *beta = nullptr;
+  uint16_t *low_bf = nullptr, *o_bf = nullptr;
+  float* kda_checkpoints = nullptr;
+  size_t kda_checkpoint_states = 0;
+  void* kda_ws = nullptr;
+  size_t kda_ws_bytes = 0;
+  // MLA
+  float *kv = nullptr, *qa = nullptr, *mq = nullptr, *q_abs = nullptr, *obar = nullptr, *lse = nullptr, *mo = nullptr;
+  uint16_t *qa_bf = nullptr, *mq_bf = nullptr, *q_abs_bf = nullptr, *obar_bf = nullptr, *mo_bf = nullptr;
+  void* mla_ws = nullptr;
+  size_t mla_ws_bytes = 0;
+  // FFN / MoE
+  float* gu = nullptr;
+  uint16_t* act_bf = nullptr;
+  float *router_logits = nullptr, *route_w = nullptr;
+  int32_t* route_ids = nullptr;
+  void* moe_ws = nullptr;
+  size_t moe_ws_bytes = 0;
+  // LM head
+  float *hw = nullptr, *logits = nullptr;
+  uint16_t* hw_bf = nullptr;
+  int64_t logits_rows = 0;
+};
+
+}  // namespace gpu
+
+// ---------------------------------------------------------------- set-up
+
+namespace gpu {
+
+namespace {
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
+GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& arena) : host_(host), limits_(limits) {
+  const ModelConfig& cfg = host.config();
+  KESTREL_CHECK(limits.max_tokens > 0 && limits.max_seqs > 0 && limits.max_model_len > 0 && limits.block_size > 0,
+                "GPU limits must be positive (tokens {}, seqs {}, model len {}, block {})", limits.max_tokens,
+                limits.max_seqs, limits.max_model_len, limits.block_size);
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  const size_t before = arena.used();
+  w_ = std::make_unique<DeviceWeights>();
+  Uploader up(arena, stream_);
+  w_->embed = up.bf16({&GpuWeightAccess::embed(host)}, "embedding");
+  w_->lm_head = cfg.tie_word_embeddings ? w_->embed : up.bf16({&GpuWeightAccess::lm_head(host)}, "LM head");
+  w_->final_norm = up.f32(GpuWeightAccess::final_norm(host), "final norm");
+  int64_t F_max = 0, E_max = 0, K_max = 0;
+  for (const DecoderLayer& L : host.layers()) {
+    DLayer d;
+    d.input_norm = up.f32(L.input_norm, "input norm");
+    d.post_norm = up.f32(L.post_norm, "post-attention norm");
+    if (L.kda) d.kda = GpuWeightAccess::kda(*L.kda, up);
+    if (L.mla) d.mla = GpuWeightAccess::mla(*L.mla, up);
+    if (L.dense) {
+      d.dense = GpuWeightAccess::ffn(*L.dense, up);
+      F_max = std::max(F_max, d.dense->F);
+    }
+    if (L.moe) {
+      d.moe = GpuWeightAccess::moe(*L.moe, cfg, up);
+      E_max = std::max<int64_t>(E_max, d.moe->routing.n_experts);
+      K_max = std::max<int64_t>(K_max, d.moe->routing.top_k);
+      if (d.moe->shared) F_max = std::max(F_max, d.moe->shared->F);
+    }
+    w_->layers.push_back(std::move(d));
+  }
+  weight_bytes_ = arena.used() - before;
+
+  // Workspaces for a step of max_tokens tokens.
+  const size_t ws_before = arena.used();
+  s_ = std::make_unique<StepScratch>();
+  StepScratch& s = *s_;
+  const int64_t N = limits.max_tokens, S = std::min<int64_t>(limits.max_seqs, N), D = cfg.hidden_size;
+  auto f32 = [&](int64_t n, const char* what) { return arena.take_n<float>(static_cast<size_t>(std::max<int64_t>(n, 1)), what); };
+  auto b16 = [&](int64_t n, const char* what) {
+    return arena.take_n<uint16_t>(static_cast<size_t>(std::max<int64_t>(n, 1)), what);
+  };
+  s.h = f32(N * D, "residual stream");
+  s.xf = f32(N * D, "normed activations");
+  s.y = f32(N * D, "layer output");
+  s.y2 = f32(N * D, "layer output");
+  s.x_bf = b16(N * D, "normed activations (bf16)");
+  if (cfg.num_layers_of(LayerKind::kda) > 0) {
+    const int64_t H = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = H * dk;
+    for (float** p : {&s.raw, &s.q, &s.k, &s.v, &s.gate, &s.gout, &s.o}) *p = f32(N * P, "KDA activations");
+    s.low = f32(N * dk, "KDA gate bottleneck");
+    s.low_bf = b16(N * dk, "KDA gate bottleneck");
+    s.beta = f32(N * H, "KDA beta");
+    s.o_bf = b16(N * P, "KDA output");
+    if (dk == kFastKdaDim && host.options().kda_chunked_prefill) {
+      // The worst case of chunks: every sequence starts mid-chunk and ends mid-chunk.
+      std::vector<int64_t> cu{0}, start;
+      for (int64_t i = 0; i < S; ++i) {
+        cu.push_back(cu.back() + (i + 1 < S ? 1 : N - (S - 1)));
+        start.push_back(63);
+      }
+      const cuda::KdaPrefillPlan worst(cu, start);
+      s.kda_ws_bytes = worst.workspace_bytes(static_cast<int>(H)) + size_t{2} * S * 64 * sizeof(int64_t);
+      s.kda_ws = arena.take(s.kda_ws_bytes, "KDA prefill workspace");
+      s.kda_checkpoint_states = static_cast<size_t>(ceil_div(N, limits.block_size) + S);
+      s.kda_checkpoints = f32(static_cast<int64_t>(s.kda_checkpoint_states) * H * dk * dk, "KDA checkpoints");
+    }
+  }
+  if (cfg.num_layers_of(LayerKind::mla) > 0) {
+    const int64_t H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
+    const int64_t dq = cfg.qk_head_dim(), dv = cfg.v_head_dim, qlr = cfg.q_lora_rank;
+    s.kv = f32(N * (C + R), "MLA latent");
+    if (qlr) {
+      s.qa = f32(N * qlr, "MLA query latent");
+      s.qa_bf = b16(N * qlr, "MLA query latent");
+    }
+    s.mq = f32(N * H * dq, "MLA queries");
+    s.mq_bf = b16(N * H * dq, "MLA queries");
+    s.q_abs = f32(N * H * (C + R), "MLA absorbed queries");
+    s.q_abs_bf = b16(N * H * (C + R), "MLA absorbed queries");
+    s.obar = f32(N * H * C, "MLA attention output");
+    s.obar_bf = b16(N * H * C, "MLA attention output");
+    s.lse = f32(N * H, "MLA lse");
+    s.mo = f32(N * H * dv, "MLA heads output");
+    s.mo_bf = b16(N * H * dv, "MLA heads output");
+    if (C == kFastLatentC && R == kFastLatentR) {
+      const int L = static_cast<int>(std::min<int64_t>(limits.max_model_len, int64_t{1} << 30));
+      s.mla_ws_bytes = std::max(cuda::mla_decode_workspace_bytes(static_cast<int>(S), 1, static_cast<int>(H), L),
+                                cuda::mla_decode_workspace_bytes(1, static_cast<int>(N), static_cast<int>(H), L));
+      if (s.mla_ws_bytes) s.mla_ws = arena.take(s.mla_ws_bytes, "MLA decode workspace");
+    }
+  }
+  s.gu = f32(N * 2 * std::max<int64_t>(F_max, 1), "FFN gate/up");
+  s.act_bf = b16(N * std::max<int64_t>(F_max, 1), "FFN activations");
+  if (E_max > 0) {
+    s.router_logits = f32(N * E_max, "router logits");
+    s.route_w = f32(N * K_max, "routing weights");
+    s.route_ids = arena.take_n<int32_t>(static_cast<size_t>(N * K_max), "routing ids");
+    s.moe_ws_bytes = cuda::moe_workspace_bytes(N, static_cast<int>(K_max), static_cast<int>(E_max), D,
+                                               cfg.moe_intermediate_size);
+    s.moe_ws = arena.take(s.moe_ws_bytes, "MoE workspace");
+  }
+  s.hw = f32(N * D, "final hidden states");
+  s.hw_bf = b16(N * D, "final hidden states");
+  s.logits_rows = std::max<int64_t>(std::min<int64_t>(N, std::max<int64_t>(S, 64)), 1);
+  s.logits = f32(s.logits_rows * cfg.vocab_size, "logits");
+  // Step tables: per token ids, slots, request and position; per sequence block tables, lengths, state slots and
+  // conv-history pointers; per prompt sequence its cumulative lengths.
+  const int64_t max_blocks = ceil_div(limits.max_model_len, limits.block_size) + 1;
+  const int64_t groups = std::max<int64_t>(1, cfg.num_layers_of(LayerKind::kda));
+  const size_t table_bytes = static_cast<size_t>(N * 32 + S * max_blocks * 4 + S * (groups * 4 + 64) +
+                                                 groups * 3 * S * 8 + 2 * (N + S) * 16) +
+                             (size_t{1} << 20);
+  s.staging = std::make_unique<Staging>(arena, table_bytes);
+  workspace_bytes_ = arena.used() - ws_before;
+}
+
+GpuModel::~GpuModel() {
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// ---------------------------------------------------------------- forward
+
+// The step's sequences in the order the GPU runs them: single generated tokens first (one KDA decode launch and
+// one MLA decode launch cover them), then chunked-KDA prompts, then the rest (multi-token non-prompt steps).
+struct Ordered {
+  std::vector<int> seq;            // internal position -> index in batch.seqs
+  std::vector<int64_t> first;      // internal position -> first token (internal token order), size S + 1
+  int decode = 0, chunked = 0;     // counts of the first two groups
+};
+
+void GpuModel::forward(const StepBatch& batch, float* logits) {
+  const ModelConfig& cfg = host_.config();
+  const CachePlan& plan = *batch.plan;
+  const auto& seqs = batch.seqs;
+  StepScratch& s = *s_;
+  const cudaStream_t st = stream_;
+  const int64_t D = cfg.hidden_size, V = cfg.vocab_size;
+  KESTREL_CHECK(plan.page_offset.size() == w_->layers.size(), "cache plan of {} layers for a model of {}",
+                plan.page_offset.size(), w_->layers.size());
+  KESTREL_CHECK(plan.row_bytes % 16 == 0, "the GPU needs 16-byte aligned cache rows, the plan has {} bytes",
+                plan.row_bytes);
+  const bool chunked_kda = host_.options().kda_chunked_prefill;
+
+  // Validation, as Model::forward.
+  Ordered ord;
+  int64_t N = 0, wanted = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SequenceStep& q = seqs[i];
+    const int64_t n = static_cast<int64_t>(q.ids.size()), end = q.start + n;
+    KESTREL_CHECK(n > 0, "a step needs at least one token per sequence");
+    KESTREL_CHECK(static_cast<int64_t>(q.slots.size()) == n, "{} slots for {} tokens", q.slots.size(), n);
+    KESTREL_CHECK(plan.num_token_layers == 0 || static_cast<int64_t>(q.block_table.size()) * plan.block_size >= end,
+                  "a block table of {} blocks cannot hold {} tokens", q.block_table.size(), end);
+    KESTREL_CHECK(static_cast<int>(q.state_rows.size()) == plan.state_rows_per_request,
+                  "{} state rows, the plan has {}", q.state_rows.size(), plan.state_rows_per_request);
+    KESTREL_CHECK(q.logits_from >= 0 && q.logits_from <= n, "logits_from {} outside [0, {}]", q.logits_from, n);
+    for (int32_t id : q.ids) KESTREL_CHECK(id >= 0 && id < V, "token id {} is outside the vocabulary (0..{})", id, V - 1);
+    N += n;
+    wanted += n - q.logits_from;
+  }
+  KESTREL_CHECK(N <= limits_.max_tokens, "a step of {} tokens exceeds the GPU's limit of {}", N, limits_.max_tokens);
+  KESTREL_CHECK(static_cast<int64_t>(seqs.size()) <= limits_.max_seqs, "a step of {} sequences exceeds the limit of {}",
+                seqs.size(), limits_.max_seqs);
+  if (seqs.empty()) return;
+  auto group_of = [&](const SequenceStep& q) {
+    if (q.ids.size() == 1 && !q.prompt) return 0;
+    return q.prompt && chunked_kda ? 1 : 2;
+  };
+  for (int g = 0; g < 3; ++g)
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (group_of(seqs[i]) == g) ord.seq.push_back(static_cast<int>(i));
+  const int S = static_cast<int>(ord.seq.size());
+  ord.first.assign(S + 1, 0);
+  for (int j = 0; j < S; ++j) {
+    const SequenceStep& q = seqs[ord.seq[j]];
+    ord.first[j + 1] = ord.first[j] + static_cast<int64_t>(q.ids.size());
+    const int g = group_of(q);
+    ord.decode += g == 0;
+    ord.chunked += g == 1;
+  }
+
+  // Step tables.
+  Staging& tab = *s.staging;
+  tab.reset();
+  std::vector<int32_t> ids(N), row_req(N), row_pos(N), ctx(S);
+  std::vector<int64_t> slots(N), cu(S + 1, 0);
+  int64_t bt_stride = 1;
+  for (int j = 0; j < S; ++j) bt_stride = std::max<int64_t>(bt_stride, seqs[ord.seq[j]].block_table.size());
+  std::vector<int32_t> bt(static_cast<size_t>(S * bt_stride), 0);
+  for (int j = 0; j < S; ++j) {
+    const SequenceStep& q = seqs[ord.seq[j]];
+    for (size_t t = 0; t < q.ids.size(); ++t) {
+      const int64_t at = ord.first[j] + static_cast<int64_t>(t);
+      ids[at] = q.ids[t];
+      slots[at] = q.slots[t];
+      row_req[at] = j;
+      row_pos[at] = static_cast<int32_t>(q.start + static_cast<int64_t>(t));
+    }
+    ctx[j] = static_cast<int32_t>(q.start + static_cast<int64_t>(q.ids.size()));
+    cu[j + 1] = ord.first[j + 1];
+    std::copy(q.block_table.begin(), q.block_table.end(), bt.begin() + j * bt_stride);
+  }
+  const int32_t* d_ids = tab.put(ids);
+  const int64_t* d_slots = tab.put(slots);
+  const int32_t* d_row_req = tab.put(row_req);
+  const int32_t* d_row_pos = tab.put(row_pos);
+  const int32_t* d_ctx = tab.put(ctx);
+  const int64_t* d_cu = tab.put(cu);
+  const int32_t* d_bt = tab.put(bt);
+  // KDA: per state group, each sequence's state row; per KDA layer, its conv-history pointers.
+  const int groups = plan.state_rows_per_request;
+  std::vector<const int32_t*> d_state_rows(groups);
+  for (int g = 0; g < groups; ++g) {
+    std::vector<int32_t> r(S);
+    for (int j = 0; j < S; ++j) r[j] = seqs[ord.seq[j]].state_rows[g];
+    d_state_rows[g] = tab.put(r);
+  }
+  const int64_t Wc = cfg.short_conv_kernel_size, Hk = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = Hk * dk;
+  const int64_t hist_floats = (Wc - 1) * P;
+  auto state_base = [&](int32_t row, size_t l) {
+    return reinterpret_cast<float*>(batch.pool + int64_t{row} * plan.row_bytes + plan.state_offset[l]);
+  };
+  std::vector<std::array<float* const*, 3>> d_hist(w_->layers.size());
+  for (size_t l = 0; l < w_->layers.size(); ++l) {
+    if (!w_->layers[l].kda) continue;
+    KESTREL_CHECK(plan.state_offset[l] % 16 == 0, "the GPU needs 16-byte aligned KDA states (layer {})", l);
+    for (int c = 0; c < 3; ++c) {
+      std::vector<float*> p(S);
+      for (int j = 0; j < S; ++j)
+        p[j] = state_base(seqs[ord.seq[j]].state_rows[plan.state_row[l]], l) + Hk * dk * dk + c * hist_floats;
+      d_hist[l][c] = tab.put(p);
+    }
+  }
+  // Logit rows: each sequence's wanted positions, in the caller's order.
+  std::vector<int32_t> out_rows;
+  {
+    std::vector<int64_t> first_of(seqs.size());
+    for (int j = 0; j < S; ++j) first_of[ord.seq[j]] = ord.first[j];
+    for (size_t i = 0; i < seqs.size(); ++i)
+      for (int64_t t = seqs[i].logits_from; t < static_cast<int64_t>(seqs[i].ids.size()); ++t)
+        out_rows.push_back(static_cast<int32_t>(first_of[i] + t));
+  }
+  const int32_t* d_out_rows = tab.put(out_rows);
+  // KDA through the recurrence (every sequence when dk is not the fast kernels' 128, else those the fast kernels do
+  // not take): one launch when no such sequence asks for a checkpoint, else each sequence cut at its checkpoints.
+  struct Segment {
+    int seq;            // internal position
+    int64_t t0, len;    // tokens (internal order)
+    const int64_t* cu;  // device {0, len}
+    const CheckpointTarget* checkpoint;  // taken after the segment, or null
+  };
+  const bool fast_kda = dk == kFastKdaDim;
+  const int first_recurrent = fast_kda ? ord.decode + ord.chunked : 0;
+  bool recurrent_checkpoints = false;
+  for (int j = first_recurrent; j < S; ++j) recurrent_checkpoints |= !seqs[ord.seq[j]].checkpoints.empty();
+  std::vector<Segment> segments;
+  const int64_t* d_recurrent_cu = nullptr;
+  if (first_recurrent < S && !recurrent_checkpoints) {
+    std::vector<int64_t> rcu;
+    for (int j = first_recurrent; j <= S; ++j) rcu.push_back(ord.first[j] - ord.first[first_recurrent]);
+    d_recurrent_cu = tab.put(rcu);
+  } else if (first_recurrent < S) {
+    for (int j = first_recurrent; j < S; ++j) {
+      const SequenceStep& q = seqs[ord.seq[j]];
+      int64_t done = 0;
+      const int64_t n = static_cast<int64_t>(q.ids.size());
+      auto add = [&](int64_t len, const CheckpointTarget* ck) {
+        if (len > 0 || ck) segments.push_back({j, ord.first[j] + done, len, tab.put(std::vector<int64_t>{0, len}), ck});
+        done += len;
+      };
+      for (const CheckpointTarget& ck : q.checkpoints) add(ck.position - q.start - done, &ck);
+      add(n - done, nullptr);
+    }
+  }
+  tab.flush(st);
+
+  cuda::embed_bf16(d_ids, N, w_->embed, D, s.h, st);
+  for (size_t l = 0; l < w_->layers.size(); ++l) {
+    const DLayer& L = w_->layers[l];
+    cuda::rms_norm_bf16(s.h, D, L.input_norm, N, D, cfg.rms_norm_eps, s.x_bf, D, st);
+    if (L.kda) {
+      const DKda& k = *L.kda;
+      const int g = plan.state_row[l];
+      float* pool_states = reinterpret_cast<float*>(batch.pool + plan.state_offset[l]);
+      // Projections, conv-history checkpoints (from the raw inputs, before the conv advances the history) and the
+      // short convolutions.
+      const float* conv_w[3] = {k.conv_q, k.conv_k, k.conv_v};
+      const DLinear* proj[3] = {&k.q, &k.k, &k.v};
+      float* outs[3] = {s.q, s.k, s.v};
+      for (int c = 0; c < 3; ++c) {
+        s.gemm.linear(s.x_bf, N, D, D, proj[c]->w, P, s.raw, P, st);
+        for (int j = 0; j < S; ++j) {
+          const SequenceStep& q = seqs[ord.seq[j]];
+          const float* hist = state_base(q.state_rows[g], l) + Hk * dk * dk + c * hist_floats;
+          for (const CheckpointTarget& ck : q.checkpoints) {
+            float* dst = state_base(ck.rows[g], l) + Hk * dk * dk + c * hist_floats;
+            for (int64_t i = 0; i < Wc - 1; ++i) {
+              const int64_t rel = ck.position - (Wc - 1) + i - q.start;
+              const float* src = rel >= 0 ? s.raw + (ord.first[j] + rel) * P : hist + (rel + Wc - 1) * P;
+              KESTREL_CUDA_CHECK(cudaMemcpyAsync(dst + i * P, src, P * sizeof(float), cudaMemcpyDeviceToDevice, st));
+            }
+          }
+        }
+        cuda::short_conv_silu_varlen(s.raw, d_cu, S, P, conv_w[c], static_cast<int>(Wc), d_hist[l][c], outs[c], st);
+      }
+      s.gemm.linear_bf16(s.x_bf, N, D, D, k.f_a.w, dk, s.low_bf, dk, st);
+      s.gemm.linear(s.low_bf, N, dk, dk, k.f_b.w, P, s.gate, P, st);
+      s.gemm.linear(s.x_bf, N, D, D, k.b.w, Hk, s.beta, Hk, st);
+      cuda::KdaInputs in;
+      in.q = s.q;
+      in.k = s.k;
+      in.v = s.v;
+      in.gate = s.gate;
+      in.beta = s.beta;
+      in.A_log = k.A_log;
+      in.dt_bias = k.dt_bias;
+      in.gate_lower_bound = cfg.kda_gate_lower_bound;
+      in.beta_is_logit = true;
+      in.normalize_qk = true;
+      in.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+      in.state_stride = plan.row_bytes / static_cast<int64_t>(sizeof(float));
+      auto at_token = [&](cuda::KdaInputs x, int64_t t0) {
+        x.q += t0 * P;
+        x.k += t0 * P;
+        x.v += t0 * P;
+        x.gate += t0 * P;
+        x.beta += t0 * Hk;
+        return x;
+      };
+      const int H = static_cast<int>(Hk), d = static_cast<int>(dk);
+      if (fast_kda && ord.decode > 0) cuda::kda_decode(in, ord.decode, H, d, d, pool_states, d_state_rows[g], s.o, st);
+      if (fast_kda && ord.chunked > 0) {
+        const int b0 = ord.decode, b1 = ord.decode + ord.chunked;
+        const int64_t t0 = ord.first[b0];
+        std::vector<int64_t> pcu{0}, pstart;
+        bool any_ck = false;
+        for (int j = b0; j < b1; ++j) {
+          pcu.push_back(ord.first[j + 1] - t0);
+          pstart.push_back(seqs[ord.seq[j]].start);
+          any_ck |= !seqs[ord.seq[j]].checkpoints.empty();
+        }
+        const int64_t every = plan.block_size;
+        const cuda::KdaPrefillPlan pp(pcu, pstart, any_ck ? every : 0);
+        KESTREL_CHECK(pp.workspace_bytes(H) <= s.kda_ws_bytes &&
+                          static_cast<size_t>(pp.num_checkpoints()) <= s.kda_checkpoint_states,
+                      "the KDA prefill of this step needs more workspace than was set aside");
+        cuda::kda_prefill(pp, at_token(in, t0), H, d, d, pool_states, d_state_rows[g] + b0, s.o + t0 * P,
+                          pp.num_checkpoints() ? s.kda_checkpoints : nullptr, s.kda_ws, s.kda_ws_bytes, st);
+        for (int j = b0; j < b1; ++j) {
+          const SequenceStep& q = seqs[ord.seq[j]];
+          const int64_t first_boundary = q.start / every + 1;  // the first multiple of `every` after start
+          for (const CheckpointTarget& ck : q.checkpoints) {
+            const int64_t idx = pp.first_checkpoint(j - b0) + ck.position / every - first_boundary;
+            KESTREL_CUDA_CHECK(cudaMemcpyAsync(state_base(ck.rows[g], l), s.kda_checkpoints + idx * Hk * dk * dk,
+                                               Hk * dk * dk * sizeof(float), cudaMemcpyDeviceToDevice, st));
+          }
+        }
+      }
+      if (d_recurrent_cu) {
+        const int64_t t0 = ord.first[first_recurrent];
+        cuda::kda_recurrent_varlen(at_token(in, t0), d_recurrent_cu, S - first_recurrent, H, d, d, pool_states,
+                                   d_state_rows[g] + first_recurrent, s.o + t0 * P, st);
+      }
+      for (const Segment& sg : segments) {
+        const SequenceStep& q = seqs[ord.seq[sg.seq]];
+        if (sg.len > 0)
+          cuda::kda_recurrent_varlen(at_token(in, sg.t0), sg.cu, 1, H, d, d, pool_states, d_state_rows[g] + sg.seq,
+                                     s.o + sg.t0 * P, st);
+        if (sg.checkpoint)
+          KESTREL_CUDA_CHECK(cudaMemcpyAsync(state_base(sg.checkpoint->rows[g], l), state_base(q.state_rows[g], l),
+                                             Hk * dk * dk * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      }
+      // Output gate and norm, then o_proj.
+      s.gemm.linear_bf16(s.x_bf, N, D, D, k.g_a.w, dk, s.low_bf, dk, st);
+      s.gemm.linear(s.low_bf, N, dk, dk, k.g_b.w, P, s.gout, P, st);
+      cuda::kda_gated_rmsnorm_bf16(s.o, s.gout, k.o_norm, N, H, d, cfg.rms_norm_eps, s.o_bf, st);
+      s.gemm.linear(s.o_bf, N, P, P, k.o.w, D, s.y, D, st);
+    } else {
+      mla_layer(*L.mla, l, batch, N, S, ord, d_slots, d_row_req, d_row_pos, d_ctx, d_bt, bt_stride);
+    }
+    cuda::add_inplace(s.h, s.y, N * D, st);
+    ffn_layer(L, N);
+    cuda::add_inplace(s.h, s.y, N * D, st);
+  }
+
+  // Final norm and LM head over the wanted rows, in chunks of the logits buffer.
+  cuda::gather_rows(s.h, D, d_out_rows, wanted, s.hw, st);
+  cuda::rms_norm_bf16(s.hw, D, w_->final_norm, wanted, D, cfg.rms_norm_eps, s.hw_bf, D, st);
+  for (int64_t r0 = 0; r0 < wanted; r0 += s.logits_rows) {
+    const int64_t rows = std::min(s.logits_rows, wanted - r0);
+    s.gemm.linear(s.hw_bf + r0 * D, rows, D, D, w_->lm_head, V, s.logits, V, st);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + r0 * V, s.logits, rows * V * sizeof(float), cudaMemcpyDeviceToHost, st));
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+  }
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
+void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, int64_t N, int S, const Ordered& ord,
+                         const int64_t* d_slots, const int32_t* d_row_req, const int32_t* d_row_pos,
+                         const int32_t* d_ctx, const int32_t* d_bt, int64_t bt_stride) {
+  const ModelConfig& cfg = host_.config();
+  const CachePlan& plan = *batch.plan;
+  StepScratch& s = *s_;
+  const cudaStream_t st = stream_;
+  const int64_t D = cfg.hidden_size, H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
+  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, dq = cfg.qk_head_dim(), qlr = cfg.q_lora_rank;
+  const cuda::Pages pages{batch.pool + plan.page_offset[l], plan.row_bytes, plan.block_size};
+  const cuda::BlockTable table{d_bt, static_cast<int>(bt_stride)};
+
+  // The new tokens' latents first: a token attends to itself.
+  s.gemm.linear(s.x_bf, N, D, D, m.kv_a.w, C + R, s.kv, C + R, st);
+  cuda::rms_norm_f32(s.kv, C + R, m.kv_a_norm, N, C, kLatentNormEps, s.kv, C + R, st);
+  cuda::mla_latent_write_fp8(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages, st);
+
+  // Queries, absorbed per head: q_abs[t, h] = [W_UK,h^T q_nope ; q_pe].
+  if (m.q_a) {
+    s.gemm.linear(s.x_bf, N, D, D, m.q_a->w, qlr, s.qa, qlr, st);
+    cuda::rms_norm_bf16(s.qa, qlr, m.q_a_norm, N, qlr, kLatentNormEps, s.qa_bf, qlr, st);
+    s.gemm.linear(s.qa_bf, N, qlr, qlr, m.q_b->w, H * dq, s.mq, H * dq, st);
+  } else {
+    s.gemm.linear(s.x_bf, N, D, D, m.q_proj->w, H * dq, s.mq, H * dq, st);
+  }
+  cuda::to_bf16(s.mq, N * H * dq, s.mq_bf, st);
+  s.gemm.batched(s.mq_bf, H * dq, dq, m.kv_b, C, (dn + dv) * C, /*transpose_w=*/false, s.q_abs, H * (C + R), C + R,
+                 N, C, dn, H, st);
+  if (R > 0)
+    KESTREL_CUDA_CHECK(cudaMemcpy2DAsync(s.q_abs + C, (C + R) * sizeof(float), s.mq + dn, dq * sizeof(float),
+                                         R * sizeof(float), N * H, cudaMemcpyDeviceToDevice, st));
+
+  const float scale = cfg.softmax_scale();
+  if (C == kFastLatentC && R == kFastLatentR) {
+    // Tensor-core decode kernel: one launch for the single generated tokens, one per prompt (its tokens are the
+    // causal queries of one request).
+    cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
+    auto run = [&](int b0, int batch_n, int n_q, int max_ctx) {
+      const int64_t t0 = ord.first[b0];
+      cuda::MlaDecodeArgs a;
+      a.q_abs = s.q_abs_bf + t0 * H * (C + R);
+      a.batch = batch_n;
+      a.n_q = n_q;
+      a.heads = static_cast<int>(H);
+      a.ctx_lens = d_ctx + b0;
+      a.max_ctx_len = max_ctx;
+      a.latent_dtype = cuda::LatentDtype::fp8_e4m3;
+      a.latent_pages = pages;
+      a.block_table = {d_bt + b0 * bt_stride, static_cast<int>(bt_stride)};
+      a.kv_scale = m.kv_scale;
+      a.softmax_scale = scale;
+      a.out = s.obar + t0 * H * C;
+      a.lse = s.lse + t0 * H;
+      const size_t need = cuda::mla_decode_workspace_bytes(batch_n, n_q, a.heads, max_ctx);
+      KESTREL_CHECK(need <= s.mla_ws_bytes, "the MLA decode of this step needs {} bytes of workspace, {} were set aside",
+                    need, s.mla_ws_bytes);
+      cuda::mla_decode(a, s.mla_ws, s.mla_ws_bytes, st);
+    };
+    const auto& seqs = batch.seqs;
+    auto ctx_of = [&](int j) {
+      const SequenceStep& q = seqs[ord.seq[j]];
+      return static_cast<int>(q.start + static_cast<int64_t>(q.ids.size()));
+    };
+    if (ord.decode > 0) {
+      int max_ctx = 1;
+      for (int j = 0; j < ord.decode; ++j) max_ctx = std::max(max_ctx, ctx_of(j));
+      run(0, ord.decode, 1, max_ctx);
+    }
+    for (int j = ord.decode; j < S; ++j)
+      run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]), ctx_of(j));
+  } else {
+    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), d_row_req,
+                             d_row_pos, pages, table, m.kv_scale, scale, nullptr, 0, s.obar, s.lse, st);
+  }
+
+  // Un-absorb per head (o[t, h] = W_UV,h obar[t, h]) and project.
+  cuda::to_bf16(s.obar, N * H * C, s.obar_bf, st);
+  s.gemm.batched(s.obar_bf, H * C, C, m.kv_b + dn * C, C, (dn + dv) * C, /*transpose_w=*/true, s.mo, H * dv, dv, N,
+                 dv, C, H, st);
+  cuda::to_bf16(s.mo, N * H * dv, s.mo_bf, st);
+  s.gemm.linear(s.mo_bf, N, H * dv, H * dv, m.o_proj.w, D, s.y, D, st);
+}
+
+void GpuModel::ffn_layer(const DLayer& L, int64_t N) {
+  const ModelConfig& cfg = host_.config();
+  StepScratch& s = *s_;
+  const cudaStream_t st = stream_;
+  const int64_t D = cfg.hidden_size;
+  auto dense = [&](const DFfn& f, float* out) {
+    s.gemm.linear(s.x_bf, N, D, D, f.w13.w, 2 * f.F, s.gu, 2 * f.F, st);
+    cuda::swiglu_bf16(s.gu, N, f.F, s.act_bf, st);
+    s.gemm.linear(s.act_bf, N, f.F, f.F, f.down.w, D, out, D, st);
+  };
+  if (L.dense) {
+    cuda::rms_norm_bf16(s.h, D, L.post_norm, N, D, cfg.rms_norm_eps, s.x_bf, D, st);
+    dense(*L.dense, s.y);
+    return;
+  }
+  // MoE: the router sees the fp32 normed input (expert choice follows the reference), the experts its bf16 copy.
+  const DMoe& m = *L.moe;
+  cuda::rms_norm_f32(s.h, D, L.post_norm, N, D, cfg.rms_norm_eps, s.xf, D, st);
+  cuda::to_bf16(s.xf, N * D, s.x_bf, st);
+  cuda::linear_f32(s.xf, N, D, m.router, m.routing.n_experts, s.router_logits, st);
+  cuda::moe_route(s.router_logits, m.bias, N, m.routing, s.route_ids, s.route_w, st);
+  cuda::moe_experts(s.x_bf, N, s.route_ids, s.route_w, m.routing.top_k, m.experts, s.y, s.moe_ws, s.moe_ws_bytes, st);
+  if (m.shared) {
+    dense(*m.shared, s.y2);
+    cuda::add_inplace(s.y, s.y2, N * D, st);
+  }
+}
+
+}  // namespace gpu
+}  // namespace kestrel
