@@ -6,7 +6,7 @@
 # folder (CMakeLists.txt), not the top-level one, so that only the CUDA backend's and the CPU reference's
 # dependencies are needed. The tests and benchmarks it runs are the ones that project found
 # (tests/kernels/cuda/*_test.cpp, bench/gpu/*_bench.cpp).
-# Usage, from anywhere: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|all] [--build-only] [log-dir]
+# Usage, from anywhere: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|model|all] [--build-only] [log-dir]
 #   log-dir defaults to $OUT, else ./out-gpu. --bench NAME runs the benchmarks bench/gpu/NAME_*_bench.cpp (all:
 #   every benchmark; the default) after the tests; --tests-only runs no benchmark; --build-only stops after
 #   linking (to check the build on a machine without a GPU). Every test binary and every benchmark is capped at
@@ -32,7 +32,7 @@
 # benchmark failed, 2 on a usage error.
 set -uo pipefail
 usage() {
-  echo "usage: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|all] [--build-only] [log-dir]" >&2
+  echo "usage: bench/gpu/run_h200.sh [--tests-only | --bench kda|dsa|mla|model|all] [--build-only] [log-dir]" >&2
   exit 2
 }
 BENCH=all
@@ -51,7 +51,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-case "$BENCH" in none | kda | dsa | mla | all) ;; *) usage ;; esac
+case "$BENCH" in none | kda | dsa | mla | model | all) ;; *) usage ;; esac
 [ $# -le 1 ] || usage
 
 cd "$(dirname "$0")/../.."

@@ -39,6 +39,7 @@ struct OfflineArgs {
 // The loaded model, its engine and the random prompts every run draws from.
 struct Bench {
   std::unique_ptr<Model> model;
+  std::shared_ptr<void> device;  // the GPU backend, with --device cuda
   std::unique_ptr<Engine> engine;
   std::mt19937_64 rng;
 
@@ -47,7 +48,7 @@ struct Bench {
     KESTREL_CHECK(a.output_len >= 1, "--output-len must be >= 1");
     KESTREL_CHECK(a.n >= 1, "--n must be >= 1");
     model = Model::load(a.model_dir, a.flags.model_options());
-    engine = std::make_unique<Engine>(*model, a.flags.engine_config());
+    engine = make_engine(*model, a.flags, device);
     print_cache_plan(*engine);
   }
 

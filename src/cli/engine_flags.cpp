@@ -2,13 +2,15 @@
 
 #include <cstdio>
 
+#include "cli/device.h"
 #include "core/error.h"
 
 namespace kestrel::cli {
 
 ModelOptions EngineFlags::model_options() const {
   ModelOptions o;
-  if (kv_cache_dtype == "fp8") o.latent_cache = LatentCacheDtype::fp8;
+  // auto: fp32 on the CPU; the GPU keeps the latent in FP8.
+  if (kv_cache_dtype == "fp8" || (kv_cache_dtype == "auto" && resolved_device() == "cuda")) o.latent_cache = LatentCacheDtype::fp8;
   else if (kv_cache_dtype == "nvfp4") o.latent_cache = LatentCacheDtype::nvfp4;
   else if (kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", kv_cache_dtype);
   if (index_dtype == "mxfp4") o.index_keys = IndexKeyDtype::mxfp4;
@@ -25,6 +27,15 @@ EngineConfig EngineFlags::engine_config() const {
   return e;
 }
 
+std::string EngineFlags::resolved_device() const { return resolve_device(device); }
+
+std::unique_ptr<Engine> make_engine(const Model& model, const EngineFlags& f, std::shared_ptr<void>& keep) {
+  EngineConfig cfg = f.engine_config();
+  if (const DeviceAttach attach = device_attach(f.resolved_device(), f.gpu_memory_utilization))
+    keep = attach(model, cfg);
+  return std::make_unique<Engine>(model, cfg);
+}
+
 void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
   EngineConfig& e = f.engine;
   cmd.add_option("--kv-cache-dtype", f.kv_cache_dtype, "MLA latent cache: auto (fp32 on the CPU) | fp8 | nvfp4");
@@ -38,6 +49,9 @@ void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
   cmd.add_option("--block-size", e.block_size, "tokens per cache row (power of two; 0: the planner's choice)");
   cmd.add_option("--max-model-len", e.max_model_len, "longest sequence (0: the model's max_position_embeddings)");
   cmd.add_flag("--no-prefix-caching", f.no_prefix_caching, "do not reuse cached prefixes");
+  cmd.add_option("--device", f.device, "auto | cuda | cpu")->capture_default_str();
+  cmd.add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
+                 "fraction of the GPU's memory for weights, workspaces and cache (default 0.9; GPU only)");
 }
 
 void print_cache_plan(const Engine& engine) {

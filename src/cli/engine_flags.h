@@ -16,14 +16,21 @@ struct EngineFlags {
   EngineConfig engine;
   int64_t cache_mib = 256;
   bool no_prefix_caching = false;
+  std::string device = "auto";
+  double gpu_memory_utilization = 0;
 
   // Error naming the flag whose value is not one of its choices.
   ModelOptions model_options() const;
   EngineConfig engine_config() const;
+  // "cpu" or "cuda" (cli/device.h).
+  std::string resolved_device() const;
 };
 
+// An engine on the flags' device; `keep` holds what the engine's device needs (declare it before the engine).
+std::unique_ptr<Engine> make_engine(const Model& model, const EngineFlags& f, std::shared_ptr<void>& keep);
+
 // --kv-cache-dtype, --index-dtype, --kda-prefill, --max-num-batched-tokens, --max-num-seqs, --cache-mib,
-// --block-size, --max-model-len, --no-prefix-caching.
+// --block-size, --max-model-len, --no-prefix-caching, --device, --gpu-memory-utilization.
 void add_engine_flags(CLI::App& cmd, EngineFlags& f);
 
 // The cache layout an engine chose, one line on stderr.

@@ -75,7 +75,9 @@ int run_generate(GenerateArgs a) {
   const auto model = Model::load(a.model_dir, a.flags.model_options());
   const ModelConfig& cfg = model->config();
   const auto t1 = std::chrono::steady_clock::now();
-  Engine engine(*model, a.flags.engine_config());
+  std::shared_ptr<void> device;
+  const std::unique_ptr<Engine> engine_ptr = make_engine(*model, a.flags, device);
+  Engine& engine = *engine_ptr;
   print_cache_plan(engine);
 
   for (auto& p : prompts) engine.add_request(p, a.sampling, 0, dump);

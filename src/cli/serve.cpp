@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/device.h"
 #include "core/error.h"
 #include "server/serve.h"
 
@@ -28,10 +29,7 @@ struct ServeArgs {
 int run_serve(ServeArgs& a) {
   server::ServeOptions& o = a.opts;
   std::vector<std::string> refused;
-  if (a.device == "cuda")
-    refused.push_back("--device cuda: the CUDA backend does not run whole models yet; use --device cpu");
-  else if (a.device != "cpu" && a.device != "auto")
-    fail("--device '{}' is not one of auto, cuda, cpu", a.device);
+  const std::string device = resolve_device(a.device);
   if (a.tensor_parallel_size < 1) fail("--tensor-parallel-size must be >= 1");
   if (a.tensor_parallel_size > 1)
     refused.push_back(fmt::format("--tensor-parallel-size {}: tensor parallelism needs {} GPUs and the CUDA backend; "
@@ -54,7 +52,7 @@ int run_serve(ServeArgs& a) {
     for (const std::string& r : refused) msg += "\n  " + r;
     fail("{}", msg);
   }
-  if (a.gpu_memory_utilization != 0)
+  if (a.gpu_memory_utilization != 0 && device == "cpu")
     std::fprintf(stderr, "[kestrel] --gpu-memory-utilization has no effect on the CPU; the cache takes "
                          "--kv-cache-memory-bytes (%lld)\n", static_cast<long long>(a.kv_cache_memory_bytes));
   if (a.load_format == "fastsafetensors")
@@ -63,7 +61,8 @@ int run_serve(ServeArgs& a) {
   else if (a.load_format != "safetensors" && a.load_format != "auto")
     fail("--load-format '{}' is not one of auto, safetensors, fastsafetensors", a.load_format);
 
-  if (a.kv_cache_dtype == "fp8") o.model.latent_cache = LatentCacheDtype::fp8;
+  // auto: fp32 on the CPU; the GPU keeps the latent in FP8.
+  if (a.kv_cache_dtype == "fp8" || (a.kv_cache_dtype == "auto" && device == "cuda")) o.model.latent_cache = LatentCacheDtype::fp8;
   else if (a.kv_cache_dtype == "nvfp4") o.model.latent_cache = LatentCacheDtype::nvfp4;
   else if (a.kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", a.kv_cache_dtype);
   if (a.index_cache_dtype == "mxfp4") o.model.index_keys = IndexKeyDtype::mxfp4;
@@ -72,6 +71,7 @@ int run_serve(ServeArgs& a) {
   if (a.batch_invariant) o.model.kda_chunked_prefill = false;
   o.engine.enable_prefix_caching = a.enable_prefix_caching;
   o.engine.cache_bytes = a.kv_cache_memory_bytes;
+  o.attach_device = device_attach(device, a.gpu_memory_utilization);
   for (const std::string* p : {&o.tool_call_parser, &o.reasoning_parser})
     if (!p->empty() && *p != "kimi_k3" && *p != "deepseek_v32")
       fail("parser '{}' is not one of kimi_k3, deepseek_v32", *p);

@@ -2,6 +2,7 @@
 // rows laid out by the cache planner), the scheduler and the model runner; the model is shared and read-only.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -29,6 +30,10 @@ struct EngineConfig {
   // Empty: the CPU model runner over a host pool. Set (the GPU runner): the pool's bytes live with the executor.
   StepExecutorFactory executor;
 };
+
+// Points an engine's config at a device before the Engine is built (the GPU backend: weights uploaded, memory
+// budget, executor); returns what must outlive the engine. Empty: the CPU.
+using DeviceAttach = std::function<std::shared_ptr<void>(const Model&, EngineConfig&)>;
 
 // A token a sequence produced in a step.
 struct TokenEvent {

@@ -432,10 +432,14 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
                                                  groups * 3 * S * 8 + 2 * (N + S) * 16) +
                              (size_t{1} << 20);
   s.staging = std::make_unique<Staging>(arena, table_bytes);
+  tables_ = std::make_unique<StepTables>();
+  max_blocks_ = max_blocks;
   workspace_bytes_ = arena.used() - ws_before;
 }
 
 GpuModel::~GpuModel() {
+  for (auto& [key, exec] : graphs_by_size_)
+    if (exec) cudaGraphExecDestroy(exec);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -449,13 +453,39 @@ struct Ordered {
   int decode = 0, chunked = 0;     // counts of the first two groups
 };
 
-void GpuModel::forward(const StepBatch& batch, float* logits) {
+// A step's tables on the device (in the staging buffer) and how the step is cut into launches.
+struct StepTables {
+  Ordered ord;
+  int64_t N = 0, wanted = 0, bt_stride = 1;
+  int S = 0;
+  bool graph = false;  // replayed from a CUDA graph
+  const int32_t *ids = nullptr, *row_req = nullptr, *row_pos = nullptr, *ctx = nullptr, *bt = nullptr;
+  const int32_t* out_rows = nullptr;
+  const int64_t *slots = nullptr, *cu = nullptr;
+  std::vector<const int32_t*> state_rows;            // per state group: each sequence's state row
+  std::vector<std::array<float* const*, 3>> hist;    // per layer: conv-history pointers of q, k, v
+  // KDA through the recurrence (every sequence when dk is not the fast kernels' 128, else those the fast kernels
+  // do not take): one launch over sequences [first_recurrent, S) with recurrent_cu, or, when one of them asks for
+  // a checkpoint, each sequence in segments cut at its checkpoints.
+  bool fast_kda = false;
+  int first_recurrent = 0;
+  const int64_t* recurrent_cu = nullptr;
+  struct Segment {
+    int seq;            // internal position
+    int64_t t0, len;    // tokens (internal order)
+    const int64_t* cu;  // device {0, len}
+    const CheckpointTarget* checkpoint;  // taken after the segment, or null
+  };
+  std::vector<Segment> segments;
+};
+
+bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
   const ModelConfig& cfg = host_.config();
   const CachePlan& plan = *batch.plan;
   const auto& seqs = batch.seqs;
   StepScratch& s = *s_;
   const cudaStream_t st = stream_;
-  const int64_t D = cfg.hidden_size, V = cfg.vocab_size;
+  const int64_t V = cfg.vocab_size;
   KESTREL_CHECK(plan.page_offset.size() == w_->layers.size(), "cache plan of {} layers for a model of {}",
                 plan.page_offset.size(), w_->layers.size());
   KESTREL_CHECK(plan.row_bytes % 16 == 0, "the GPU needs 16-byte aligned cache rows, the plan has {} bytes",
@@ -463,7 +493,8 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   const bool chunked_kda = host_.options().kda_chunked_prefill;
 
   // Validation, as Model::forward.
-  Ordered ord;
+  Ordered& ord = t.ord;
+  ord = Ordered{};
   int64_t N = 0, wanted = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SequenceStep& q = seqs[i];
@@ -482,7 +513,9 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   KESTREL_CHECK(N <= limits_.max_tokens, "a step of {} tokens exceeds the GPU's limit of {}", N, limits_.max_tokens);
   KESTREL_CHECK(static_cast<int64_t>(seqs.size()) <= limits_.max_seqs, "a step of {} sequences exceeds the limit of {}",
                 seqs.size(), limits_.max_seqs);
-  if (seqs.empty()) return;
+  t.N = N;
+  t.wanted = wanted;
+  if (seqs.empty()) return false;
   auto group_of = [&](const SequenceStep& q) {
     if (q.ids.size() == 1 && !q.prompt) return 0;
     return q.prompt && chunked_kda ? 1 : 2;
@@ -505,8 +538,18 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   tab.reset();
   std::vector<int32_t> ids(N), row_req(N), row_pos(N), ctx(S);
   std::vector<int64_t> slots(N), cu(S + 1, 0);
+  // A CUDA graph replays fixed shapes: every sequence a single generated token and no checkpoint, block tables of
+  // the longest possible width, and the MLA split sized for the longest context.
+  bool any_checkpoint = false;
+  for (const SequenceStep& q : seqs) any_checkpoint |= !q.checkpoints.empty();
+  t.graph = graphs && ord.decode == S && !any_checkpoint;
   int64_t bt_stride = 1;
   for (int j = 0; j < S; ++j) bt_stride = std::max<int64_t>(bt_stride, seqs[ord.seq[j]].block_table.size());
+  if (t.graph) {
+    KESTREL_CHECK(bt_stride <= max_blocks_, "a block table of {} blocks exceeds the {} of max_model_len", bt_stride,
+                  max_blocks_);
+    bt_stride = max_blocks_;
+  }
   std::vector<int32_t> bt(static_cast<size_t>(S * bt_stride), 0);
   for (int j = 0; j < S; ++j) {
     const SequenceStep& q = seqs[ord.seq[j]];
@@ -521,27 +564,27 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
     cu[j + 1] = ord.first[j + 1];
     std::copy(q.block_table.begin(), q.block_table.end(), bt.begin() + j * bt_stride);
   }
-  const int32_t* d_ids = tab.put(ids);
-  const int64_t* d_slots = tab.put(slots);
-  const int32_t* d_row_req = tab.put(row_req);
-  const int32_t* d_row_pos = tab.put(row_pos);
-  const int32_t* d_ctx = tab.put(ctx);
-  const int64_t* d_cu = tab.put(cu);
-  const int32_t* d_bt = tab.put(bt);
+  t.S = S;
+  t.bt_stride = bt_stride;
+  t.ids = tab.put(ids);
+  t.slots = tab.put(slots);
+  t.row_req = tab.put(row_req);
+  t.row_pos = tab.put(row_pos);
+  t.ctx = tab.put(ctx);
+  t.cu = tab.put(cu);
+  t.bt = tab.put(bt);
   // KDA: per state group, each sequence's state row; per KDA layer, its conv-history pointers.
   const int groups = plan.state_rows_per_request;
-  std::vector<const int32_t*> d_state_rows(groups);
+  t.state_rows.assign(groups, nullptr);
   for (int g = 0; g < groups; ++g) {
     std::vector<int32_t> r(S);
     for (int j = 0; j < S; ++j) r[j] = seqs[ord.seq[j]].state_rows[g];
-    d_state_rows[g] = tab.put(r);
+    t.state_rows[g] = tab.put(r);
   }
   const int64_t Wc = cfg.short_conv_kernel_size, Hk = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = Hk * dk;
   const int64_t hist_floats = (Wc - 1) * P;
-  auto state_base = [&](int32_t row, size_t l) {
-    return reinterpret_cast<float*>(batch.pool + int64_t{row} * plan.row_bytes + plan.state_offset[l]);
-  };
-  std::vector<std::array<float* const*, 3>> d_hist(w_->layers.size());
+  auto state_base = [&](int32_t row, size_t l) { return state_at(batch, row, l); };
+  t.hist.assign(w_->layers.size(), {});
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     if (!w_->layers[l].kda) continue;
     KESTREL_CHECK(plan.state_offset[l] % 16 == 0, "the GPU needs 16-byte aligned KDA states (layer {})", l);
@@ -549,7 +592,7 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
       std::vector<float*> p(S);
       for (int j = 0; j < S; ++j)
         p[j] = state_base(seqs[ord.seq[j]].state_rows[plan.state_row[l]], l) + Hk * dk * dk + c * hist_floats;
-      d_hist[l][c] = tab.put(p);
+      t.hist[l][c] = tab.put(p);
     }
   }
   // Logit rows: each sequence's wanted positions, in the caller's order.
@@ -561,25 +604,20 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
       for (int64_t t = seqs[i].logits_from; t < static_cast<int64_t>(seqs[i].ids.size()); ++t)
         out_rows.push_back(static_cast<int32_t>(first_of[i] + t));
   }
-  const int32_t* d_out_rows = tab.put(out_rows);
+  t.out_rows = tab.put(out_rows);
   // KDA through the recurrence (every sequence when dk is not the fast kernels' 128, else those the fast kernels do
   // not take): one launch when no such sequence asks for a checkpoint, else each sequence cut at its checkpoints.
-  struct Segment {
-    int seq;            // internal position
-    int64_t t0, len;    // tokens (internal order)
-    const int64_t* cu;  // device {0, len}
-    const CheckpointTarget* checkpoint;  // taken after the segment, or null
-  };
-  const bool fast_kda = dk == kFastKdaDim;
-  const int first_recurrent = fast_kda ? ord.decode + ord.chunked : 0;
+  t.fast_kda = dk == kFastKdaDim;
+  const int first_recurrent = t.first_recurrent = t.fast_kda ? ord.decode + ord.chunked : 0;
   bool recurrent_checkpoints = false;
   for (int j = first_recurrent; j < S; ++j) recurrent_checkpoints |= !seqs[ord.seq[j]].checkpoints.empty();
-  std::vector<Segment> segments;
-  const int64_t* d_recurrent_cu = nullptr;
+  std::vector<StepTables::Segment>& segments = t.segments;
+  segments.clear();
+  t.recurrent_cu = nullptr;
   if (first_recurrent < S && !recurrent_checkpoints) {
     std::vector<int64_t> rcu;
     for (int j = first_recurrent; j <= S; ++j) rcu.push_back(ord.first[j] - ord.first[first_recurrent]);
-    d_recurrent_cu = tab.put(rcu);
+    t.recurrent_cu = tab.put(rcu);
   } else if (first_recurrent < S) {
     for (int j = first_recurrent; j < S; ++j) {
       const SequenceStep& q = seqs[ord.seq[j]];
@@ -594,8 +632,24 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
     }
   }
   tab.flush(st);
+  return true;
+}
 
-  cuda::embed_bf16(d_ids, N, w_->embed, D, s.h, st);
+void GpuModel::run(const StepBatch& batch, const StepTables& t) {
+  const ModelConfig& cfg = host_.config();
+  const CachePlan& plan = *batch.plan;
+  const auto& seqs = batch.seqs;
+  StepScratch& s = *s_;
+  const cudaStream_t st = stream_;
+  const Ordered& ord = t.ord;
+  const int64_t N = t.N, D = cfg.hidden_size;
+  const int S = t.S;
+  const int64_t Wc = cfg.short_conv_kernel_size, Hk = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = Hk * dk;
+  const int64_t hist_floats = (Wc - 1) * P;
+  auto state_base = [&](int32_t row, size_t l) { return state_at(batch, row, l); };
+  const int first_recurrent = t.first_recurrent;
+  const bool fast_kda = t.fast_kda;
+  cuda::embed_bf16(t.ids, N, w_->embed, D, s.h, st);
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const DLayer& L = w_->layers[l];
     cuda::rms_norm_bf16(s.h, D, L.input_norm, N, D, cfg.rms_norm_eps, s.x_bf, D, st);
@@ -622,7 +676,7 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
             }
           }
         }
-        cuda::short_conv_silu_varlen(s.raw, d_cu, S, P, conv_w[c], static_cast<int>(Wc), d_hist[l][c], outs[c], st);
+        cuda::short_conv_silu_varlen(s.raw, t.cu, S, P, conv_w[c], static_cast<int>(Wc), t.hist[l][c], outs[c], st);
       }
       s.gemm.linear_bf16(s.x_bf, N, D, D, k.f_a.w, dk, s.low_bf, dk, st);
       s.gemm.linear(s.low_bf, N, dk, dk, k.f_b.w, P, s.gate, P, st);
@@ -649,7 +703,7 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
         return x;
       };
       const int H = static_cast<int>(Hk), d = static_cast<int>(dk);
-      if (fast_kda && ord.decode > 0) cuda::kda_decode(in, ord.decode, H, d, d, pool_states, d_state_rows[g], s.o, st);
+      if (fast_kda && ord.decode > 0) cuda::kda_decode(in, ord.decode, H, d, d, pool_states, t.state_rows[g], s.o, st);
       if (fast_kda && ord.chunked > 0) {
         const int b0 = ord.decode, b1 = ord.decode + ord.chunked;
         const int64_t t0 = ord.first[b0];
@@ -665,7 +719,7 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
         KESTREL_CHECK(pp.workspace_bytes(H) <= s.kda_ws_bytes &&
                           static_cast<size_t>(pp.num_checkpoints()) <= s.kda_checkpoint_states,
                       "the KDA prefill of this step needs more workspace than was set aside");
-        cuda::kda_prefill(pp, at_token(in, t0), H, d, d, pool_states, d_state_rows[g] + b0, s.o + t0 * P,
+        cuda::kda_prefill(pp, at_token(in, t0), H, d, d, pool_states, t.state_rows[g] + b0, s.o + t0 * P,
                           pp.num_checkpoints() ? s.kda_checkpoints : nullptr, s.kda_ws, s.kda_ws_bytes, st);
         for (int j = b0; j < b1; ++j) {
           const SequenceStep& q = seqs[ord.seq[j]];
@@ -677,15 +731,15 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
           }
         }
       }
-      if (d_recurrent_cu) {
+      if (t.recurrent_cu) {
         const int64_t t0 = ord.first[first_recurrent];
-        cuda::kda_recurrent_varlen(at_token(in, t0), d_recurrent_cu, S - first_recurrent, H, d, d, pool_states,
-                                   d_state_rows[g] + first_recurrent, s.o + t0 * P, st);
+        cuda::kda_recurrent_varlen(at_token(in, t0), t.recurrent_cu, S - first_recurrent, H, d, d, pool_states,
+                                   t.state_rows[g] + first_recurrent, s.o + t0 * P, st);
       }
-      for (const Segment& sg : segments) {
+      for (const StepTables::Segment& sg : t.segments) {
         const SequenceStep& q = seqs[ord.seq[sg.seq]];
         if (sg.len > 0)
-          cuda::kda_recurrent_varlen(at_token(in, sg.t0), sg.cu, 1, H, d, d, pool_states, d_state_rows[g] + sg.seq,
+          cuda::kda_recurrent_varlen(at_token(in, sg.t0), sg.cu, 1, H, d, d, pool_states, t.state_rows[g] + sg.seq,
                                      s.o + sg.t0 * P, st);
         if (sg.checkpoint)
           KESTREL_CUDA_CHECK(cudaMemcpyAsync(state_base(sg.checkpoint->rows[g], l), state_base(q.state_rows[g], l),
@@ -697,28 +751,71 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
       cuda::kda_gated_rmsnorm_bf16(s.o, s.gout, k.o_norm, N, H, d, cfg.rms_norm_eps, s.o_bf, st);
       s.gemm.linear(s.o_bf, N, P, P, k.o.w, D, s.y, D, st);
     } else {
-      mla_layer(*L.mla, l, batch, N, S, ord, d_slots, d_row_req, d_row_pos, d_ctx, d_bt, bt_stride);
+      mla_layer(*L.mla, l, batch, t);
     }
     cuda::add_inplace(s.h, s.y, N * D, st);
     ffn_layer(L, N);
     cuda::add_inplace(s.h, s.y, N * D, st);
   }
 
-  // Final norm and LM head over the wanted rows, in chunks of the logits buffer.
-  cuda::gather_rows(s.h, D, d_out_rows, wanted, s.hw, st);
-  cuda::rms_norm_bf16(s.hw, D, w_->final_norm, wanted, D, cfg.rms_norm_eps, s.hw_bf, D, st);
-  for (int64_t r0 = 0; r0 < wanted; r0 += s.logits_rows) {
-    const int64_t rows = std::min(s.logits_rows, wanted - r0);
-    s.gemm.linear(s.hw_bf + r0 * D, rows, D, D, w_->lm_head, V, s.logits, V, st);
+  // Final norm and LM head over the wanted rows (the first logits_rows of them; forward() does the rest).
+  cuda::gather_rows(s.h, D, t.out_rows, t.wanted, s.hw, st);
+  cuda::rms_norm_bf16(s.hw, D, w_->final_norm, t.wanted, D, cfg.rms_norm_eps, s.hw_bf, D, st);
+  lm_head(0, std::min(s.logits_rows, t.wanted));
+}
+
+void GpuModel::lm_head(int64_t r0, int64_t rows) {
+  const int64_t D = host_.config().hidden_size, V = host_.config().vocab_size;
+  s_->gemm.linear(s_->hw_bf + r0 * D, rows, D, D, w_->lm_head, V, s_->logits, V, stream_);
+}
+
+void GpuModel::forward(const StepBatch& batch, float* logits) {
+  StepTables& t = *tables_;
+  if (!prepare(batch, t, graphs_)) return;
+  const cudaStream_t st = stream_;
+  const int64_t V = host_.config().vocab_size;
+  if (t.graph) {
+    // One graph per batch size (and pool), captured on first use, replayed after.
+    cudaGraphExec_t& exec = graphs_by_size_[{t.S, batch.pool}];
+    if (!exec) {
+      cudaGraph_t graph = nullptr;
+      KESTREL_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      try {
+        run(batch, t);
+      } catch (...) {
+        cudaStreamEndCapture(st, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        throw;
+      }
+      KESTREL_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+      const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      KESTREL_CUDA_CHECK(inst);
+    }
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, st));
+  } else {
+    run(batch, t);
+  }
+  const StepScratch& s = *s_;
+  for (int64_t r0 = 0; r0 < t.wanted; r0 += s.logits_rows) {
+    const int64_t rows = std::min(s.logits_rows, t.wanted - r0);
+    if (r0 > 0) lm_head(r0, rows);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + r0 * V, s.logits, rows * V * sizeof(float), cudaMemcpyDeviceToHost, st));
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
   }
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
 }
 
-void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, int64_t N, int S, const Ordered& ord,
-                         const int64_t* d_slots, const int32_t* d_row_req, const int32_t* d_row_pos,
-                         const int32_t* d_ctx, const int32_t* d_bt, int64_t bt_stride) {
+float* GpuModel::state_at(const StepBatch& batch, int32_t row, size_t layer) const {
+  const CachePlan& plan = *batch.plan;
+  return reinterpret_cast<float*>(batch.pool + int64_t{row} * plan.row_bytes + plan.state_offset[layer]);
+}
+
+void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const StepTables& t) {
+  const Ordered& ord = t.ord;
+  const int64_t N = t.N, bt_stride = t.bt_stride;
+  const int S = t.S;
+  const int64_t* d_slots = t.slots;
+  const int32_t *d_row_req = t.row_req, *d_row_pos = t.row_pos, *d_ctx = t.ctx, *d_bt = t.bt;
   const ModelConfig& cfg = host_.config();
   const CachePlan& plan = *batch.plan;
   StepScratch& s = *s_;
@@ -782,6 +879,7 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, int64_
     if (ord.decode > 0) {
       int max_ctx = 1;
       for (int j = 0; j < ord.decode; ++j) max_ctx = std::max(max_ctx, ctx_of(j));
+      if (t.graph) max_ctx = static_cast<int>(limits_.max_model_len);  // replayed for any context
       run(0, ord.decode, 1, max_ctx);
     }
     for (int j = ord.decode; j < S; ++j)

@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -30,7 +32,7 @@ struct DeviceWeights;
 struct StepScratch;
 struct DMla;
 struct DLayer;
-struct Ordered;
+struct StepTables;
 
 class GpuModel {
  public:
@@ -46,6 +48,9 @@ class GpuModel {
   cudaStream_t stream() const { return stream_; }
   size_t weight_bytes() const { return weight_bytes_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
+  // Steps of single generated tokens replay one CUDA graph per batch size (on by default).
+  void set_cuda_graphs(bool on) { graphs_ = on; }
+  size_t num_cuda_graphs() const { return graphs_by_size_.size(); }
 
   // One step: batch.pool is the device address of the cache pool (laid out by batch.plan). logits: host memory,
   // [wanted positions, vocab], requests in order, as Model::forward. Synchronous (returns when the logits are in
@@ -54,10 +59,14 @@ class GpuModel {
 
  private:
   // One MLA layer over the step (x_bf -> y) and one FFN or MoE (h -> post-norm -> y): parts of forward().
-  void mla_layer(const DMla& m, size_t layer, const StepBatch& batch, int64_t N, int S, const Ordered& ord,
-                 const int64_t* d_slots, const int32_t* d_row_req, const int32_t* d_row_pos, const int32_t* d_ctx,
-                 const int32_t* d_bt, int64_t bt_stride);
+  // Validates the step, orders its sequences and uploads its tables; false for an empty step.
+  bool prepare(const StepBatch& batch, StepTables& t, bool graphs);
+  // Every kernel of the step, from the embedding to the first rows of logits in device memory (capturable).
+  void run(const StepBatch& batch, const StepTables& t);
+  void lm_head(int64_t first_row, int64_t rows);
+  void mla_layer(const DMla& m, size_t layer, const StepBatch& batch, const StepTables& t);
   void ffn_layer(const DLayer& layer, int64_t N);
+  float* state_at(const StepBatch& batch, int32_t row, size_t layer) const;
 
   const Model& host_;
   GpuLimits limits_;
@@ -65,6 +74,10 @@ class GpuModel {
   std::unique_ptr<DeviceWeights> w_;
   std::unique_ptr<StepScratch> s_;
   size_t weight_bytes_ = 0, workspace_bytes_ = 0;
+  std::unique_ptr<StepTables> tables_;
+  int64_t max_blocks_ = 0;  // block-table width of a sequence of max_model_len
+  bool graphs_ = true;
+  std::map<std::pair<int, uint8_t*>, cudaGraphExec_t> graphs_by_size_;
 };
 
 }  // namespace kestrel::gpu

@@ -63,7 +63,9 @@ int serve(const ServeOptions& o) {
   api.vocab_size = model->config().vocab_size;
   api.seed = o.seed;
 
-  EngineLoop loop(std::make_unique<Engine>(*model, o.engine), o.max_queued_requests);
+  EngineConfig engine_cfg = o.engine;
+  const std::shared_ptr<void> device = o.attach_device ? o.attach_device(*model, engine_cfg) : nullptr;
+  EngineLoop loop(std::make_unique<Engine>(*model, engine_cfg), o.max_queued_requests);
   ServerMetrics metrics(api.served_model_name);
   OpenAIApi handlers(api, tok, chat_template ? &*chat_template : nullptr, loop, metrics);
 

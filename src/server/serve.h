@@ -27,6 +27,7 @@ struct ServeOptions {
   int max_connections = 4096;
   double shutdown_timeout = 30;        // seconds running requests get after SIGTERM
   std::optional<uint64_t> seed;        // seeds of requests that give none are drawn from this
+  DeviceAttach attach_device;          // empty: the CPU engine
 };
 
 // Serves until a termination signal; returns the process exit code.
