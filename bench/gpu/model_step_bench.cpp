@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
     for (int B : batches) {
       EngineConfig cfg;
       cfg.max_num_seqs = std::max(B, 1);
-      cfg.max_num_batched_tokens = 8192;
+      cfg.max_num_batched_tokens = 2048;
       cfg.max_model_len = L + 2 * steps + 64;
       cfg.enable_prefix_caching = false;
       auto gpu = gpu::GpuBackend::attach(*model, cfg, 0.6, nullptr);

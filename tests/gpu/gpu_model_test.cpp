@@ -148,7 +148,7 @@ EngineConfig engine_config() {
 void run_and_compare(const Model& m, const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
                      const std::string& what) {
   EngineConfig cfg = engine_config();
-  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.4, stderr);
+  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, stderr);
   Engine e(m, cfg);
   SamplingParams sp;
   sp.max_tokens = max_tokens;
@@ -186,7 +186,7 @@ TEST_P(GpuEngine, PrefixCacheResumeMatchesCpu) {
   const std::vector<int32_t> more = random_prompt(40, 8, V);
   second.insert(second.end(), more.begin(), more.end());
   EngineConfig cfg = engine_config();
-  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.4, stderr);
+  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, stderr);
   Engine e(m, cfg);
   SamplingParams sp;
   sp.max_tokens = 4;
