@@ -17,6 +17,8 @@ cp /usr/include/xxhash.h /usr/include/oniguruma.h "$D/include/"
 cp /usr/lib/x86_64-linux-gnu/libxxhash.a "$D/lib/"
 cp -L /usr/lib/x86_64-linux-gnu/libonig.so.5 "$D/lib/"
 ln -sf libonig.so.5 "$D/lib/libonig.so"
+# The tokenizer training text of make_model (bible-kjv), as a file: run_h200.sh sets KESTREL_KJV_TEXT to it.
+bible Gen1:1-Rev22:21 >"$D/kjv.txt"
 cp -r /usr/src/googletest "$D/googletest"
 rm -rf "$D/googletest/googletest/docs" "$D/googletest/googletest/test" "$D/googletest/googletest/samples" \
   "$D/googletest/googlemock/test"

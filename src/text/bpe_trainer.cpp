@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <queue>
 #include <unordered_map>
@@ -262,6 +263,14 @@ void write_tokenizer_files(const std::string& dir, const TrainedBpe& bpe, const 
 }
 
 std::string kjv_corpus() {
+  // A machine without the Debian package (the GPU machine) is given the same text as a file.
+  if (const char* file = std::getenv("KESTREL_KJV_TEXT")) {
+    std::ifstream in(file, std::ios::binary);
+    KESTREL_CHECK(in.good(), "KESTREL_KJV_TEXT names {}, which cannot be read", file);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    KESTREL_CHECK(text.size() >= 1'000'000, "KESTREL_KJV_TEXT: {} does not hold the King James text", file);
+    return text;
+  }
   FILE* p = popen("bible Gen1:1-Rev22:21 2>/dev/null", "r");
   if (!p) fail("cannot run the `bible` program (install the Debian package bible-kjv-text)");
   std::string text;

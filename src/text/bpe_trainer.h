@@ -41,7 +41,8 @@ struct TokenizerFilesSpec {
 void write_tokenizer_files(const std::string& dir, const TrainedBpe& bpe, const TokenizerFilesSpec& spec);
 
 // Public-domain English text for training: the King James Bible as printed by the `bible` program of the
-// Debian package bible-kjv (text from bible-kjv-text). Throws kestrel::Error naming the package if missing.
+// Debian package bible-kjv (text from bible-kjv-text), or the file KESTREL_KJV_TEXT names (that program's output,
+// for machines without the package). Throws kestrel::Error naming the package if missing.
 std::string kjv_corpus();
 
 // make-model's tokenizer: trains on kjv_corpus() and writes the files. spec.vocab_size must leave room for the

@@ -33,6 +33,7 @@ struct Case {
   Arch arch;
   const char* preset;
 };
+void PrintTo(const Case& c, std::ostream* os) { *os << arch_name(c.arch) << " " << c.preset; }
 
 std::string model_dir(const Case& c) {
   static std::map<std::string, std::string> made;
