@@ -404,9 +404,20 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     s.mo = f32(N * H * dv, "MLA heads output");
     s.mo_bf = b16(N * H * dv, "MLA heads output");
     if (C == kFastLatentC && R == kFastLatentR) {
+      // The kernel's split of the context (and so its scratch) depends on the shape in ways that are not monotone:
+      // take the largest over every shape a step can launch (decode batches of 1..S, prompts of 1..N tokens) at
+      // lengths up to max_model_len in powers of two and max_model_len itself.
       const int L = static_cast<int>(std::min<int64_t>(limits.max_model_len, int64_t{1} << 30));
-      s.mla_ws_bytes = std::max(cuda::mla_decode_workspace_bytes(static_cast<int>(S), 1, static_cast<int>(H), L),
-                                cuda::mla_decode_workspace_bytes(1, static_cast<int>(N), static_cast<int>(H), L));
+      std::vector<int> lens;
+      for (int len = 1; len < L; len *= 2) lens.push_back(len);
+      lens.push_back(L);
+      const int heads = static_cast<int>(H);
+      for (int len : lens) {
+        for (int b = 1; b <= S; ++b)
+          s.mla_ws_bytes = std::max(s.mla_ws_bytes, cuda::mla_decode_workspace_bytes(b, 1, heads, len));
+        for (int n = 1; n <= std::min<int64_t>(N, len); ++n)
+          s.mla_ws_bytes = std::max(s.mla_ws_bytes, cuda::mla_decode_workspace_bytes(1, n, heads, len));
+      }
       if (s.mla_ws_bytes) s.mla_ws = arena.take(s.mla_ws_bytes, "MLA decode workspace");
     }
   }
@@ -851,6 +862,10 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     // causal queries of one request).
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
     auto run = [&](int b0, int batch_n, int n_q, int max_ctx) {
+      // The grid is sized for a power of two (or max_model_len): the shapes the workspace was sized for.
+      int sized = 1;
+      while (sized < max_ctx) sized *= 2;
+      max_ctx = static_cast<int>(std::min<int64_t>(sized, limits_.max_model_len));
       const int64_t t0 = ord.first[b0];
       cuda::MlaDecodeArgs a;
       a.q_abs = s.q_abs_bf + t0 * H * (C + R);

@@ -19,7 +19,14 @@ constexpr float kIndexKeyNormEps = 1e-6f;
 constexpr float kL2NormEps = 1e-6f;
 
 Linear load_linear(WeightLoader& w, const std::string& prefix, int64_t out, int64_t in) {
-  return Linear{w.linear(prefix, out, in)};
+  return Linear{w.linear(prefix, out, in), w.bf16_inputs};
+}
+
+// x rounded to bf16 (ModelOptions::bf16_activations).
+std::vector<float> bf16_copy(const float* x, int64_t n) {
+  std::vector<float> r(x, x + n);
+  for (float& v : r) v = round_to_bf16(v);
+  return r;
 }
 
 float inv_sqrt(int n) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
@@ -97,13 +104,20 @@ KdaStateView kda_state_view(const ModelConfig& cfg, uint8_t* at) {
   return v;
 }
 
-void Linear::operator()(const float* x, int64_t T, float* y) const { cpu::linear(x, w.ptr(), y, T, in(), out()); }
+void Linear::operator()(const float* x, int64_t T, float* y) const {
+  if (!bf16_inputs) {
+    cpu::linear(x, w.ptr(), y, T, in(), out());
+    return;
+  }
+  const std::vector<float> xr = bf16_copy(x, T * in());
+  cpu::linear(xr.data(), w.ptr(), y, T, in(), out());
+}
 
 // ---------------------------------------------------------------- MLA + indexer
 
 MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::string& p, LatentCacheDtype latent,
                            IndexKeyDtype keys)
-    : cfg_(cfg), latent_(latent), keys_(keys) {
+    : cfg_(cfg), bf16_(w.bf16_inputs), latent_(latent), keys_(keys) {
   const int64_t D = cfg.hidden_size, H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
   const int64_t qdim = H * cfg.qk_head_dim();
   if (cfg.q_lora_rank) {
@@ -129,6 +143,9 @@ MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::s
     ix.k_norm_w = w.get(p + "indexer.k_norm.weight", {ix.head_dim});
     ix.k_norm_b = w.get(p + "indexer.k_norm.bias", {ix.head_dim});
     ix.weights_proj = load_linear(w, p + "indexer.weights_proj", ix.n_heads, D);
+    // The indexer's products stay fp32 in every mode: they feed FP8 quantisation and a top-k (the GPU does them in
+    // fp32 too).
+    ix.wq_b.bf16_inputs = ix.wk.bf16_inputs = ix.weights_proj.bf16_inputs = false;
     indexer_ = std::move(ix);
     index_key_bytes_ = index_key_entry_bytes(cfg, keys_);
   }
@@ -284,9 +301,11 @@ void MlaAttention::project_queries(const float* x, int64_t T, int64_t pos0, int 
     std::vector<float> qa(static_cast<size_t>(T) * cfg_.q_lora_rank);
     (*q_a_)(x, T, qa.data());
     cpu::rms_norm(qa.data(), q_a_norm_.ptr(), qr, T, cfg_.q_lora_rank, kLatentNormEps);
-    cpu::linear(qr, q_b_->w.ptr() + first_row * q_b_->in(), q, T, q_b_->in(), rows);
+    const std::vector<float> qr_in = bf16_ ? bf16_copy(qr, T * q_b_->in()) : std::vector<float>(qr, qr + T * q_b_->in());
+    cpu::linear(qr_in.data(), q_b_->w.ptr() + first_row * q_b_->in(), q, T, q_b_->in(), rows);
   } else {
-    cpu::linear(x, q_proj_->w.ptr() + first_row * q_proj_->in(), q, T, q_proj_->in(), rows);
+    const std::vector<float> x_in = bf16_ ? bf16_copy(x, T * q_proj_->in()) : std::vector<float>(x, x + T * q_proj_->in());
+    cpu::linear(x_in.data(), q_proj_->w.ptr() + first_row * q_proj_->in(), q, T, q_proj_->in(), rows);
   }
   if (cfg_.use_rope)
     for (int64_t t = 0; t < T; ++t)
@@ -311,7 +330,15 @@ void MlaAttention::attend(const float* q_t, const float* x_t, const float* qr_t,
   KESTREL_CHECK(pos >= 0 && pos < ctx.positions, "query at position {} outside a context of {} positions", pos,
                 ctx.positions);
   std::vector<float> q_abs(static_cast<size_t>(H) * (C + R)), obar(static_cast<size_t>(H) * C), lse(H);
-  cpu::mla_absorb_query(q_t, kv_b_.ptr(), H, dn, dv, C, R, q_abs.data());
+  if (bf16_) {
+    // As the GPU: q_nope enters the absorption in bf16 (q_pe stays fp32).
+    std::vector<float> q(q_t, q_t + int64_t{H} * (dn + R));
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < dn; ++d) q[h * (dn + R) + d] = round_to_bf16(q[h * (dn + R) + d]);
+    cpu::mla_absorb_query(q.data(), kv_b_.ptr(), H, dn, dv, C, R, q_abs.data());
+  } else {
+    cpu::mla_absorb_query(q_t, kv_b_.ptr(), H, dn, dv, C, R, q_abs.data());
+  }
   const float scale = cfg_.softmax_scale();
   if (indexer_) {
     const std::vector<int32_t> idx =
@@ -322,6 +349,8 @@ void MlaAttention::attend(const float* q_t, const float* x_t, const float* qr_t,
     cpu::mla_attend_absorbed(q_abs.data(), H, C, R, ctx.rows.data(), pos + 1, nullptr, 0, scale, obar.data(),
                              lse.data());
   }
+  if (bf16_)
+    for (float& v : obar) v = round_to_bf16(v);
   cpu::mla_unabsorb_output(obar.data(), kv_b_.ptr(), H, dn, dv, C, o_t);
 }
 

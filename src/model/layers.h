@@ -31,6 +31,7 @@ int64_t kda_state_bytes(const ModelConfig& cfg, int heads);
 
 struct Linear {
   Tensor w;  // [out, in]
+  bool bf16_inputs = false;  // round the input to bf16 first (ModelOptions::bf16_activations)
   int64_t out() const { return w.dim(0); }
   int64_t in() const { return w.dim(1); }
   void operator()(const float* x, int64_t T, float* y) const;
@@ -132,6 +133,7 @@ class MlaAttention {
                               const float* key_scales) const;
 
   const ModelConfig& cfg_;
+  bool bf16_ = false;  // ModelOptions::bf16_activations
   LatentCacheDtype latent_;
   IndexKeyDtype keys_;
   int64_t latent_bytes_ = 0, index_key_bytes_ = 0;

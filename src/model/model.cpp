@@ -4,6 +4,7 @@
 #include <regex>
 
 #include "core/error.h"
+#include "core/formats.h"
 #include "kernels/cpu/basic.h"
 #include "model/weights.h"
 
@@ -14,7 +15,7 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const ModelOptions& o
   m->cfg_ = ModelConfig::load(dir + "/config.json");
   m->opts_ = opts;
   const ModelConfig& cfg = m->cfg_;
-  WeightLoader w(dir, cfg.weight_block_size);
+  WeightLoader w(dir, cfg.weight_block_size, opts.bf16_activations);
   m->embed_ = w.get("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size});
   for (int i = 0; i < cfg.num_hidden_layers; ++i)
     m->layers_.push_back(cfg.arch == Arch::deepseek_v32 ? load_deepseek_v32_layer(cfg, w, i, opts)
@@ -144,6 +145,8 @@ void Model::forward(const StepBatch& batch, float* logits, MlaStepRunner* mla_ru
     row += rows;
   }
   const Tensor& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
+  if (opts_.bf16_activations)
+    for (int64_t i = 0; i < wanted * D; ++i) x[i] = round_to_bf16(x[i]);
   cpu::linear(x.data(), head.ptr(), logits, wanted, D, V);
 }
 

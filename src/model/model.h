@@ -20,6 +20,10 @@ struct ModelOptions {
   // Prompt tokens run KDA in the chunked form, generated tokens in the recurrent one. false: the recurrence
   // everywhere (the exact-invariance mode: any split of a sequence gives the same bits).
   bool kda_chunked_prefill = true;
+  // The GPU backend's numerics, for testing it against this reference with a tight bound: every linear layer's
+  // input (and MLA's absorbed query and attention output, and the LM head's input) rounded to bf16 first, as the
+  // GPU's bf16 GEMMs take them; the MoE router and the DSA indexer stay fp32, as on the GPU. Off: plain fp32.
+  bool bf16_activations = false;
 };
 
 // A KDA checkpoint to take during a step: the states after the token at `position` - 1, into these state rows

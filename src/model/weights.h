@@ -12,7 +12,11 @@ namespace kestrel {
 
 class WeightLoader {
  public:
-  WeightLoader(const std::string& dir, int fp8_block) : ckpt_(dir), fp8_block_(fp8_block) {}
+  WeightLoader(const std::string& dir, int fp8_block, bool bf16_inputs = false)
+      : bf16_inputs(bf16_inputs), ckpt_(dir), fp8_block_(fp8_block) {}
+
+  // What the linear layers loaded through this loader do with their inputs (ModelOptions::bf16_activations).
+  const bool bf16_inputs;
 
   // A tensor of exactly `shape` (any float dtype); Error naming the tensor if missing or mis-shaped.
   Tensor get(const std::string& name, const std::vector<int64_t>& shape);

@@ -1,6 +1,12 @@
 // The GPU engine against the CPU reference: whole-model logits and greedy generations of the tiny and small
 // kimi_linear models, through the engine (chunked prefill, batches of prompts and decodes, prefix-cache resumes
 // from KDA checkpoints), in both KDA prefill modes. Runs only where a CUDA device is visible.
+//
+// The reference runs with ModelOptions::bf16_activations: the GPU's numerics (every linear layer's input in bf16,
+// fp32 elsewhere), so that the comparison checks the GPU's kernels and their composition, not bf16 itself. The
+// random test models amplify a 2^-9 rounding of their activations into logit changes of 1-2% and, where a router
+// or greedy choice is near a tie, far more (seen on the CPU alone, rounding on against rounding off); the distance
+// to the plain fp32 reference is printed, not asserted.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -22,12 +28,12 @@
 namespace kestrel {
 namespace {
 
-// Logit rows agree within this fraction of the reference row's largest |logit|. The GPU rounds every linear
-// layer's input to bf16 (relative error 2^-9 per element, fp32 accumulation) and keeps everything between layers in
-// fp32; over a few layers the logits move by well under 1% of their range (observed on an H200: see
-// bench/results/gpu_engine_h200.md). A greedy token may differ only where the reference's own top-2 margin is
-// within twice this bound (a near-tie that the bound cannot decide).
-constexpr float kLogitBound = 2e-2f;
+// Logit rows agree with the bf16-activation reference within this fraction of the row's largest |logit|. What is
+// left between the two: fp32 sums in other orders (cuBLASLt, the kernels), the MLA kernels' own bf16/f16 rounding
+// of the absorbed query and probabilities (2^-8 bounds, docs/mla-kernels.md) and the bf16 rounding of SwiGLU and
+// KDA outputs where a last-bit fp32 difference tips it. A greedy token may differ only where the reference's own
+// top-2 margin is within twice this bound (a near-tie the bound cannot decide).
+constexpr float kLogitBound = 1e-2f;
 
 struct Case {
   Arch arch;
@@ -47,14 +53,16 @@ std::string model_dir(const Case& c) {
   return dir;
 }
 
-const Model& host_model(const Case& c, bool chunked) {
+const Model& host_model(const Case& c, bool chunked, bool bf16_activations = true) {
   static std::map<std::string, std::unique_ptr<Model>> models;
-  const std::string key = std::string(arch_name(c.arch)) + c.preset + (chunked ? "c" : "r");
+  const std::string key =
+      std::string(arch_name(c.arch)) + c.preset + (chunked ? "c" : "r") + (bf16_activations ? "b" : "f");
   auto& m = models[key];
   if (!m) {
     ModelOptions o;
     o.latent_cache = LatentCacheDtype::fp8;  // the GPU's latent format; the reference reads the same bytes
     o.kda_chunked_prefill = chunked;
+    o.bf16_activations = bf16_activations;
     m = Model::load(model_dir(c), o);
   }
   return *m;
@@ -89,6 +97,34 @@ Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, int max_
     m.forward(s, &tok, 1, r.logits.data() + at);
   }
   return r;
+}
+
+// How far a GPU completion is from the plain fp32 reference: the median and largest error / row scale over the
+// positions both computed with the same inputs, and how many greedy tokens agree. Printed, not asserted.
+void report_vs_fp32(const Model& exact, const std::vector<int32_t>& prompt, const Completion& got, int max_tokens,
+                    const std::string& what) {
+  const int64_t V = exact.config().vocab_size, P = static_cast<int64_t>(prompt.size());
+  const Reference ref = cpu_alone(exact, prompt, max_tokens);
+  int64_t same = 0;
+  while (same < static_cast<int64_t>(std::min(got.token_ids.size(), ref.tokens.size())) &&
+         got.token_ids[same] == ref.tokens[same])
+    ++same;
+  std::vector<float> ratios;
+  for (int64_t p = got.logits_first; p <= std::min<int64_t>(P - 1 + same, P + max_tokens - 2); ++p) {
+    const float* a = got.logits.data() + (p - got.logits_first) * V;
+    const float* b = ref.logits.data() + p * V;
+    float err = 0.0f, scale = 0.0f;
+    for (int64_t v = 0; v < V; ++v) {
+      err = std::max(err, std::fabs(a[v] - b[v]));
+      scale = std::max(scale, std::fabs(b[v]));
+    }
+    ratios.push_back(err / scale);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  std::printf("[ %s ] against plain fp32: %lld/%zu greedy tokens agree; logit error / row max: median %.3g, max %.3g "
+              "over %zu positions\n",
+              what.c_str(), static_cast<long long>(same), ref.tokens.size(),
+              ratios.empty() ? 0.0 : ratios[ratios.size() / 2], ratios.empty() ? 0.0 : ratios.back(), ratios.size());
 }
 
 // Compares one GPU completion with the CPU reference; returns the largest error ratio seen (error / row scale).
@@ -146,8 +182,8 @@ EngineConfig engine_config() {
   return cfg;
 }
 
-void run_and_compare(const Model& m, const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
-                     const std::string& what) {
+void run_and_compare(const Model& m, const Model& exact, const std::vector<std::vector<int32_t>>& prompts,
+                     int max_tokens, const std::string& what) {
   EngineConfig cfg = engine_config();
   auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, stderr);
   Engine e(m, cfg);
@@ -158,24 +194,28 @@ void run_and_compare(const Model& m, const std::vector<std::vector<int32_t>>& pr
   std::vector<RequestOutput> done = e.run_to_completion();
   ASSERT_EQ(done.size(), prompts.size());
   float worst = 0.0f;
-  for (size_t i = 0; i < done.size(); ++i)
-    worst = std::max(worst, expect_matches(m, prompts[i], done[i].completions.at(0), max_tokens,
-                                           what + " request " + std::to_string(i)));
+  for (size_t i = 0; i < done.size(); ++i) {
+    const std::string name = what + " request " + std::to_string(i);
+    worst = std::max(worst, expect_matches(m, prompts[i], done[i].completions.at(0), max_tokens, name));
+    report_vs_fp32(exact, prompts[i], done[i].completions.at(0), max_tokens, name);
+  }
   std::printf("[ %s ] largest logit error / row max |logit|: %.3g (bound %.3g)\n", what.c_str(), worst, kLogitBound);
 }
 
 TEST_P(GpuEngine, BatchOfPromptsAndDecodesMatchesCpu) {
   const Model& m = host_model(GetParam(), true);
+  const Model& exact = host_model(GetParam(), true, false);
   const int64_t V = m.config().vocab_size;
   // 200 tokens: chunked prefill over several steps and KDA chunks; 100 and 7: not multiples of 64; 1: a lone token.
-  run_and_compare(m, {random_prompt(200, 1, V), random_prompt(7, 2, V), random_prompt(1, 3, V), random_prompt(100, 4, V)},
+  run_and_compare(m, exact, {random_prompt(200, 1, V), random_prompt(7, 2, V), random_prompt(1, 3, V), random_prompt(100, 4, V)},
                   8, std::string(GetParam().preset) + " chunked");
 }
 
 TEST_P(GpuEngine, RecurrentKdaMatchesCpu) {
   const Model& m = host_model(GetParam(), false);
+  const Model& exact = host_model(GetParam(), false, false);
   const int64_t V = m.config().vocab_size;
-  run_and_compare(m, {random_prompt(150, 5, V), random_prompt(3, 6, V)}, 6,
+  run_and_compare(m, exact, {random_prompt(150, 5, V), random_prompt(3, 6, V)}, 6,
                   std::string(GetParam().preset) + " recurrent");
 }
 
