@@ -14,10 +14,13 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "gpu/gpu_runner.h"
@@ -240,6 +243,50 @@ TEST_P(GpuEngine, PrefixCacheResumeMatchesCpu) {
   EXPECT_GT(e.stats().prefix.hit_tokens, 0);
   expect_matches(m, first, a.completions.at(0), 4, "first");
   expect_matches(m, second, b.completions.at(0), 4, "resumed");
+}
+
+// The model cut after each of its layers (the same weights, num_hidden_layers = k: the checkpoint's later layers
+// are skipped as extra layers): where a difference starts, layer by layer.
+std::string truncated_dir(const Case& c, int k) {
+  const std::string src = model_dir(c);
+  const std::string dir = src + "_layers" + std::to_string(k);
+  if (std::filesystem::exists(dir + "/config.json")) return dir;
+  std::filesystem::create_directories(dir);
+  for (const auto& e : std::filesystem::directory_iterator(src))
+    if (e.path().filename() != "config.json")
+      std::filesystem::copy_file(e.path(), dir / e.path().filename(), std::filesystem::copy_options::overwrite_existing);
+  std::ifstream in(src + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["num_hidden_layers"] = k;
+  for (const char* key : {"full_attn_layers", "kda_layers"}) {
+    nlohmann::json kept = nlohmann::json::array();
+    for (int l : j["linear_attn_config"][key]) if (l <= k) kept.push_back(l);
+    j["linear_attn_config"][key] = kept;
+  }
+  std::ofstream(dir + "/config.json") << j.dump(2);
+  return dir;
+}
+
+TEST_P(GpuEngine, EveryPrefixOfTheLayersMatchesCpu) {
+  const int L = host_model(GetParam(), true).config().num_hidden_layers;
+  for (int k = 1; k <= L; ++k) {
+    ModelOptions o;
+    o.latent_cache = LatentCacheDtype::fp8;
+    o.bf16_activations = true;
+    const auto m = Model::load(truncated_dir(GetParam(), k), o);
+    const int64_t V = m->config().vocab_size;
+    const std::vector<int32_t> prompt = random_prompt(5, 9, V);
+    EngineConfig cfg = engine_config();
+    auto gpu = gpu::GpuBackend::attach(*m, cfg, 0.1, nullptr);
+    Engine e(*m, cfg);
+    SamplingParams sp;
+    sp.max_tokens = 2;
+    sp.ignore_eos = true;
+    e.add_request(prompt, sp, 0, true);
+    const RequestOutput out = e.run_to_completion().at(0);
+    const float worst = expect_matches(*m, prompt, out.completions.at(0), 2, "first " + std::to_string(k) + " layers");
+    std::printf("[ %s, first %d layer(s) ] largest logit error / row max |logit|: %.3g\n", GetParam().preset, k, worst);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KimiLinear, GpuEngine,
