@@ -17,7 +17,8 @@ StepInputs step_inputs(const StepPlan& plan, int block_size) {
     slots.resize(x.count);
     for (int64_t t = 0; t < x.count; ++t) {
       const int64_t p = x.start + t;
-      slots[t] = int64_t{table[p / B]} * B + p % B;
+      // A model without attention layers keeps no token rows: its tokens have no slots.
+      slots[t] = table.empty() ? -1 : int64_t{table[p / B]} * B + p % B;
     }
     for (const ScheduledSequence::Checkpoint& c : x.checkpoints) in.checkpoints[i].push_back({c.position, c.rows});
     in.steps[i] = SequenceStep{std::span(s.tokens).subspan(x.start, x.count),

@@ -8,6 +8,8 @@
 
 #include "core/error.h"
 #include "core/formats.h"
+#include "gpu/dsa_indexer.h"
+#include "kernels/cuda/dsa.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_glue.h"
@@ -77,6 +79,7 @@ struct DeviceWeights {
   const uint16_t* lm_head = nullptr;
   const float* final_norm = nullptr;
   std::vector<DLayer> layers;
+  std::vector<std::unique_ptr<DsaIndexerGpu>> indexers;  // per layer: the MLA layer's DSA indexer, or null
 };
 
 // Copies host tensors into the arena in the forms the kernels take.
@@ -149,7 +152,6 @@ struct GpuWeightAccess {
 
   static gpu::DMla mla(const MlaAttention& m, gpu::Uploader& up) {
     const ModelConfig& cfg = m.cfg_;
-    KESTREL_CHECK(!m.indexer_, "the GPU engine does not run the DSA indexer yet (kimi_k3, deepseek_v32); use --device cpu");
     KESTREL_CHECK(!cfg.use_rope, "the GPU engine does not apply RoPE in MLA yet (deepseek_v32); use --device cpu");
     KESTREL_CHECK(m.latent_ == LatentCacheDtype::fp8,
                   "the GPU engine keeps the MLA latent in FP8 (--kv-cache-dtype fp8), not {}",
@@ -232,6 +234,7 @@ struct GpuWeightAccess {
     return true;
   }
 
+  static IndexKeyDtype index_keys(const MlaAttention& m) { return m.keys_; }
   static const Tensor& embed(const Model& m) { return m.embed_; }
   static const Tensor& lm_head(const Model& m) {
     return m.config().tie_word_embeddings ? m.embed_ : m.lm_head_;
@@ -294,6 +297,11 @@ struct StepScratch {
   uint16_t *qa_bf = nullptr, *mq_bf = nullptr, *q_abs_bf = nullptr, *obar_bf = nullptr, *mo_bf = nullptr;
   void* mla_ws = nullptr;
   size_t mla_ws_bytes = 0;
+  // DSA: the selected positions of every token, and the sparse attention's scratch.
+  int32_t* indices = nullptr;
+  int index_topk = 0;
+  void* sparse_ws = nullptr;
+  size_t sparse_ws_bytes = 0;
   // FFN / MoE
   float* gu = nullptr;
   uint16_t* act_bf = nullptr;
@@ -349,6 +357,19 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     }
     w_->layers.push_back(std::move(d));
   }
+  // The DSA indexers: the first takes the step workspace, the others share it (layers run one after another).
+  w_->indexers.resize(host.layers().size());
+  std::shared_ptr<DsaIndexerWorkspace> shared_ws;
+  const int64_t S_lim = std::min<int64_t>(limits.max_seqs, limits.max_tokens);
+  for (size_t l = 0; l < host.layers().size(); ++l) {
+    const MlaAttention* mla = host.layers()[l].mla.get();
+    if (!mla || !mla->indexer()) continue;
+    const IndexKeyDtype keys = GpuWeightAccess::index_keys(*mla);
+    w_->indexers[l] = shared_ws ? std::make_unique<DsaIndexerGpu>(*mla->indexer(), cfg, keys, shared_ws, arena)
+                                : std::make_unique<DsaIndexerGpu>(*mla->indexer(), cfg, keys, limits.max_tokens,
+                                                                  static_cast<int>(S_lim), limits.max_model_len, arena);
+    shared_ws = w_->indexers[l]->workspace();
+  }
   weight_bytes_ = arena.used() - before;
 
   // Workspaces for a step of max_tokens tokens.
@@ -403,6 +424,19 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     s.lse = f32(N * H, "MLA lse");
     s.mo = f32(N * H * dv, "MLA heads output");
     s.mo_bf = b16(N * H * dv, "MLA heads output");
+    if (cfg.has_indexer) {
+      s.index_topk = cfg.index_topk;
+      s.indices = arena.take_n<int32_t>(static_cast<size_t>(N * cfg.index_topk), "DSA selected positions");
+      if (C == kFastLatentC && R == kFastLatentR) {
+        for (int b = 1; b <= S; ++b)
+          s.sparse_ws_bytes = std::max(s.sparse_ws_bytes, cuda::sparse_mla_decode_workspace_bytes(
+                                                              b, 1, static_cast<int>(H), cfg.index_topk));
+        for (int64_t n = 1; n <= N; ++n)
+          s.sparse_ws_bytes = std::max(s.sparse_ws_bytes, cuda::sparse_mla_decode_workspace_bytes(
+                                                              1, static_cast<int>(n), static_cast<int>(H), cfg.index_topk));
+        if (s.sparse_ws_bytes) s.sparse_ws = arena.take(s.sparse_ws_bytes, "sparse MLA workspace");
+      }
+    }
     if (C == kFastLatentC && R == kFastLatentR) {
       // The kernel's split of the context (and so its scratch) depends on the shape in ways that are not monotone:
       // take the largest over every shape a step can launch (decode batches of 1..S, prompts of 1..N tokens) at
@@ -663,7 +697,13 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
   cuda::embed_bf16(t.ids, N, w_->embed, D, s.h, st);
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const DLayer& L = w_->layers[l];
-    cuda::rms_norm_bf16(s.h, D, L.input_norm, N, D, cfg.rms_norm_eps, s.x_bf, D, st);
+    if (w_->indexers[l]) {
+      // The indexer takes the fp32 normed input (its products are fp32); the rest its bf16 copy.
+      cuda::rms_norm_f32(s.h, D, L.input_norm, N, D, cfg.rms_norm_eps, s.xf, D, st);
+      cuda::to_bf16(s.xf, N * D, s.x_bf, st);
+    } else {
+      cuda::rms_norm_bf16(s.h, D, L.input_norm, N, D, cfg.rms_norm_eps, s.x_bf, D, st);
+    }
     if (L.kda) {
       const DKda& k = *L.kda;
       const int g = plan.state_row[l];
@@ -843,8 +883,10 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
 
   // Queries, absorbed per head: q_abs[t, h] = [W_UK,h^T q_nope ; q_pe].
   if (m.q_a) {
+    // qr (the normed query latent) in fp32 for the indexer, in bf16 for q_b.
     s.gemm.linear(s.x_bf, N, D, D, m.q_a->w, qlr, s.qa, qlr, st);
-    cuda::rms_norm_bf16(s.qa, qlr, m.q_a_norm, N, qlr, kLatentNormEps, s.qa_bf, qlr, st);
+    cuda::rms_norm_f32(s.qa, qlr, m.q_a_norm, N, qlr, kLatentNormEps, s.qa, qlr, st);
+    cuda::to_bf16(s.qa, N * qlr, s.qa_bf, st);
     s.gemm.linear(s.qa_bf, N, qlr, qlr, m.q_b->w, H * dq, s.mq, H * dq, st);
   } else {
     s.gemm.linear(s.x_bf, N, D, D, m.q_proj->w, H * dq, s.mq, H * dq, st);
@@ -857,7 +899,48 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
                                          R * sizeof(float), N * H, cudaMemcpyDeviceToDevice, st));
 
   const float scale = cfg.softmax_scale();
-  if (C == kFastLatentC && R == kFastLatentR) {
+  DsaIndexerGpu* indexer = w_->indexers[l].get();
+  if (indexer) {
+    // DSA: the new tokens' index keys, then every token's top-k positions.
+    const int64_t latent_bytes = plan.latent_bytes[l];
+    const cuda::Pages key_pages{batch.pool + plan.page_offset[l] + plan.block_size * latent_bytes, plan.row_bytes,
+                                plan.block_size};
+    indexer->write_keys(s.xf, N, d_slots, key_pages, st);
+    std::vector<IndexerRequest> reqs(S);
+    for (int j = 0; j < S; ++j) {
+      const SequenceStep& q = batch.seqs[ord.seq[j]];
+      reqs[j] = {ord.first[j], ord.first[j + 1] - ord.first[j], q.start + static_cast<int64_t>(q.ids.size()), j};
+    }
+    indexer->select(s.xf, qlr ? s.qa : s.xf, N, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
+  }
+  const int k = s.index_topk;
+  if (indexer && C == kFastLatentC && R == kFastLatentR) {
+    // Sparse MLA over the selected positions: one launch for the single generated tokens, one per prompt.
+    cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
+    auto run = [&](int b0, int batch_n, int n_q) {
+      const int64_t t0 = ord.first[b0];
+      cuda::SparseMlaDecodeArgs a;
+      a.q_abs = s.q_abs_bf + t0 * H * (C + R);
+      a.batch = batch_n;
+      a.n_q = n_q;
+      a.heads = static_cast<int>(H);
+      a.indices = s.indices + t0 * k;
+      a.k = k;
+      a.ctx_lens = d_ctx + b0;
+      a.latent_pages = pages;
+      a.block_table = {d_bt + b0 * bt_stride, static_cast<int>(bt_stride)};
+      a.kv_scale = m.kv_scale;
+      a.softmax_scale = scale;
+      a.out = s.obar + t0 * H * C;
+      a.lse = s.lse + t0 * H;
+      cuda::sparse_mla_decode(a, s.sparse_ws, s.sparse_ws_bytes, st);
+    };
+    if (ord.decode > 0) run(0, ord.decode, 1);
+    for (int j = ord.decode; j < S; ++j) run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]));
+  } else if (indexer) {
+    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), d_row_req,
+                             d_row_pos, pages, table, m.kv_scale, scale, s.indices, k, s.obar, s.lse, st);
+  } else if (C == kFastLatentC && R == kFastLatentR) {
     // Tensor-core decode kernel: one launch for the single generated tokens, one per prompt (its tokens are the
     // causal queries of one request).
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
