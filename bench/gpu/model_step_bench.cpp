@@ -94,12 +94,12 @@ int main(int argc, char** argv) {
       EngineConfig cfg;
       cfg.max_num_seqs = std::max(B, 1);
       cfg.max_num_batched_tokens = 2048;
-      cfg.max_model_len = L + 2 * steps + 64;
+      cfg.max_model_len = L + 2 * steps + 128;
       cfg.enable_prefix_caching = false;
       auto gpu = gpu::GpuBackend::attach(*model, cfg, 0.6, nullptr);
       Engine e(*model, cfg);
       SamplingParams sp;
-      sp.max_tokens = 2 * steps + 8;
+      sp.max_tokens = 2 * steps + 40;
       sp.ignore_eos = true;
       for (int b = 0; b < B; ++b) {
         std::vector<int32_t> p(L);
@@ -126,6 +126,42 @@ int main(int argc, char** argv) {
       const double roof = step_bytes(c, B, L) / kBandwidth * 1e3;
       std::printf("%6d %7d %12.4f %12.4f %12.4f %10.2f %10.0f\n", B, L, graph, no_graph, roof, graph / roof,
                   B / graph * 1e3);
+      // Where the time goes: medians over a few steps of the host's preparation, the GPU's kernels (per layer
+      // without a graph), the logits' copy, and the rest of Engine::step (scheduling, sampling).
+      for (bool graphs : {true, false}) {
+        gpu->model().set_cuda_graphs(graphs);
+        gpu->model().set_profiling(true);
+        e.step();
+        std::vector<double> step, prep, gpu_ms, copy;
+        std::vector<std::vector<double>> mixer(c.num_hidden_layers), ffn(c.num_hidden_layers);
+        for (int i = 0; i < 8; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          e.step();
+          step.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+          const auto& t = gpu->model().last_step_times();
+          prep.push_back(t.prepare_ms);
+          gpu_ms.push_back(t.gpu_ms);
+          copy.push_back(t.copy_ms);
+          for (size_t l = 0; l < t.mixer_ms.size(); ++l) {
+            mixer[l].push_back(t.mixer_ms[l]);
+            ffn[l].push_back(t.ffn_ms[l]);
+          }
+        }
+        gpu->model().set_profiling(false);
+        auto med = [](std::vector<double> v) {
+          std::sort(v.begin(), v.end());
+          return v.empty() ? 0.0 : percentile(v, 50);
+        };
+        std::printf("  profile B=%d L=%d %s: step %.4f ms = prepare %.4f + GPU %.4f + logits copy %.4f + engine "
+                    "%.4f\n",
+                    B, L, graphs ? "graph" : "no graph", med(step), med(prep), med(gpu_ms), med(copy),
+                    med(step) - med(prep) - med(gpu_ms) - med(copy));
+        if (!graphs)
+          for (int l = 0; l < c.num_hidden_layers; ++l)
+            std::printf("    layer %d %s: mixer %.4f ms, %s %.4f ms\n", l,
+                        c.layer_kinds[l] == LayerKind::kda ? "KDA" : "MLA", med(mixer[l]),
+                        c.is_moe_layer(l) ? "MoE" : "FFN", med(ffn[l]));
+      }
       std::fflush(stdout);
     }
   std::filesystem::remove_all(dir);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -482,7 +483,18 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
   workspace_bytes_ = arena.used() - ws_before;
 }
 
+void GpuModel::mark(size_t i) {
+  if (!profiling_) return;
+  while (events_.size() <= i) {
+    cudaEvent_t e = nullptr;
+    KESTREL_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  KESTREL_CUDA_CHECK(cudaEventRecord(events_[i], stream_));
+}
+
 GpuModel::~GpuModel() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
   for (auto& [key, exec] : graphs_by_size_)
     if (exec) cudaGraphExecDestroy(exec);
   if (stream_) cudaStreamDestroy(stream_);
@@ -697,6 +709,7 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
   cuda::embed_bf16(t.ids, N, w_->embed, D, s.h, st);
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const DLayer& L = w_->layers[l];
+    if (!t.graph) mark(2 + 3 * l);
     if (w_->indexers[l]) {
       // The indexer takes the fp32 normed input (its products are fp32); the rest its bf16 copy.
       cuda::rms_norm_f32(s.h, D, L.input_norm, N, D, cfg.rms_norm_eps, s.xf, D, st);
@@ -805,8 +818,10 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
       mla_layer(*L.mla, l, batch, t);
     }
     cuda::add_inplace(s.h, s.y, N * D, st);
+    if (!t.graph) mark(3 + 3 * l);
     ffn_layer(L, N);
     cuda::add_inplace(s.h, s.y, N * D, st);
+    if (!t.graph) mark(4 + 3 * l);
   }
 
   // Final norm and LM head over the wanted rows (the first logits_rows of them; forward() does the rest).
@@ -822,9 +837,12 @@ void GpuModel::lm_head(int64_t r0, int64_t rows) {
 
 void GpuModel::forward(const StepBatch& batch, float* logits) {
   StepTables& t = *tables_;
+  const auto t0 = std::chrono::steady_clock::now();
   if (!prepare(batch, t, graphs_)) return;
+  const auto t1 = std::chrono::steady_clock::now();
   const cudaStream_t st = stream_;
   const int64_t V = host_.config().vocab_size;
+  mark(0);
   if (t.graph) {
     // One graph per batch size (and pool), captured on first use, replayed after.
     cudaGraphExec_t& exec = graphs_by_size_[{t.S, batch.pool}];
@@ -847,12 +865,34 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   } else {
     run(batch, t);
   }
+  mark(1);
+  const auto t2 = std::chrono::steady_clock::now();
   const StepScratch& s = *s_;
   for (int64_t r0 = 0; r0 < t.wanted; r0 += s.logits_rows) {
     const int64_t rows = std::min(s.logits_rows, t.wanted - r0);
     if (r0 > 0) lm_head(r0, rows);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + r0 * V, s.logits, rows * V * sizeof(float), cudaMemcpyDeviceToHost, st));
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+  }
+  if (profiling_) {
+    const auto t3 = std::chrono::steady_clock::now();
+    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    auto between = [&](size_t a, size_t b) {
+      float v = 0;
+      KESTREL_CUDA_CHECK(cudaEventElapsedTime(&v, events_[a], events_[b]));
+      return v;
+    };
+    times_ = StepTimes{};
+    times_.graph = t.graph;
+    times_.prepare_ms = ms(t0, t1);
+    times_.gpu_ms = between(0, 1);
+    // The copy waits for the kernels: its own time is what the host waited beyond them.
+    times_.copy_ms = std::max(0.0, ms(t2, t3) - times_.gpu_ms);
+    if (!t.graph)
+      for (size_t l = 0; l < w_->layers.size(); ++l) {
+        times_.mixer_ms.push_back(between(2 + 3 * l, 3 + 3 * l));
+        times_.ffn_ms.push_back(between(3 + 3 * l, 4 + 3 * l));
+      }
   }
 }
 

@@ -52,6 +52,17 @@ class GpuModel {
   void set_cuda_graphs(bool on) { graphs_ = on; }
   size_t num_cuda_graphs() const { return graphs_by_size_.size(); }
 
+  // Where a step's time goes (benchmarks): with profiling on, forward() records the host time of preparing the
+  // step, the GPU time of its kernels (CUDA events; per layer -- mixer and FFN -- when it does not replay a graph)
+  // and the time of the logits' copy to the host.
+  struct StepTimes {
+    bool graph = false;
+    double prepare_ms = 0, gpu_ms = 0, copy_ms = 0;
+    std::vector<float> mixer_ms, ffn_ms;  // per layer (empty when replayed from a graph)
+  };
+  void set_profiling(bool on) { profiling_ = on; }
+  const StepTimes& last_step_times() const { return times_; }
+
   // One step: batch.pool is the device address of the cache pool (laid out by batch.plan). logits: host memory,
   // [wanted positions, vocab], requests in order, as Model::forward. Synchronous (returns when the logits are in
   // host memory).
@@ -78,6 +89,10 @@ class GpuModel {
   int64_t max_blocks_ = 0;  // block-table width of a sequence of max_model_len
   bool graphs_ = true;
   std::map<std::pair<int, uint8_t*>, cudaGraphExec_t> graphs_by_size_;
+  bool profiling_ = false;
+  StepTimes times_;
+  std::vector<cudaEvent_t> events_;  // profiling: begin, end, and three per layer
+  void mark(size_t i);
 };
 
 }  // namespace kestrel::gpu
