@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -106,7 +107,10 @@ int main(int argc, char** argv) {
         for (auto& t : p) t = static_cast<int32_t>(rng() % c.vocab_size);
         e.add_request(p, sp);
       }
-      while (e.stats().generated_tokens < B) e.step();  // every prompt in the cache
+      // Until every prompt is in the cache: each request has produced its first token.
+      std::set<RequestId> started;
+      while (static_cast<int>(started.size()) < B)
+        for (const TokenEvent& t : e.step().tokens) started.insert(t.request);
       auto time_steps = [&](bool graphs) {
         gpu->model().set_cuda_graphs(graphs);
         for (int i = 0; i < 3; ++i) e.step();
