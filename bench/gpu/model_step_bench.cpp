@@ -95,12 +95,13 @@ int main(int argc, char** argv) {
       EngineConfig cfg;
       cfg.max_num_seqs = std::max(B, 1);
       cfg.max_num_batched_tokens = 2048;
-      cfg.max_model_len = L + 2 * steps + 128;
+      cfg.max_model_len = L + int64_t{B} * L / 2048 + 2 * steps + 192;
       cfg.enable_prefix_caching = false;
       auto gpu = gpu::GpuBackend::attach(*model, cfg, 0.6, nullptr);
       Engine e(*model, cfg);
       SamplingParams sp;
-      sp.max_tokens = 2 * steps + 40;
+      // Long enough that no request ends while the last prompts are still prefilling.
+      sp.max_tokens = static_cast<int>(int64_t{B} * L / cfg.max_num_batched_tokens) + 2 * steps + 64;
       sp.ignore_eos = true;
       for (int b = 0; b < B; ++b) {
         std::vector<int32_t> p(L);
