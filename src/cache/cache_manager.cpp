@@ -75,7 +75,8 @@ void CacheManager::unpin(std::span<const int32_t> pins) {
 
 void CacheManager::name_blocks(SequenceRows& rows, std::span<const int32_t> tokens, int64_t upto,
                                uint64_t extra_key) {
-  if (upto <= rows.named_blocks) return;
+  // A model without attention layers keeps no token rows: there is nothing to name.
+  if (upto <= rows.named_blocks || plan_.num_token_layers == 0) return;
   KESTREL_CHECK(upto <= static_cast<int64_t>(rows.token_rows.size()), "naming block {} of a sequence of {} blocks",
                 upto - 1, rows.token_rows.size());
   if (prefix_caching_) {

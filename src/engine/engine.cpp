@@ -60,8 +60,10 @@ int64_t resolve_max_model_len(const Model& model, const EngineConfig& cfg, const
 Engine::Engine(const Model& model, const EngineConfig& cfg)
     : model_(model),
       cfg_(cfg),
-      cache_(engine_plan(model, cfg), pool_rows(engine_plan(model, cfg), cfg), cfg.enable_prefix_caching,
-             !cfg.executor),
+      // Prefix caching reuses token rows; a model without attention layers has none (and its KDA checkpoints would
+      // have no blocks to hang on), so it runs without.
+      cache_(engine_plan(model, cfg), pool_rows(engine_plan(model, cfg), cfg),
+             cfg.enable_prefix_caching && engine_plan(model, cfg).num_token_layers > 0, !cfg.executor),
       max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
                                  cfg.checkpoint_interval},

@@ -3,6 +3,11 @@
 // format and KDA prefill mode; steps respect the budget; generate-style bookkeeping (keep_logits, finish reasons).
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "tiny_models.h"
 
@@ -164,6 +169,42 @@ TEST(Engine, RequestsThatCanNeverRunAreRejected) {
   // Without one, max_model_len is what the cache holds.
   cfg.max_model_len = 0;
   EXPECT_EQ(Engine(m, cfg).max_model_len(), 320);
+}
+
+// A model with no attention layer (the tiny kimi_linear model cut after its two KDA layers; the checkpoint's later
+// layers are skipped as extra layers) keeps no token rows: its tokens have no slots, and the engine still gives every
+// request what it gets alone.
+TEST(Engine, ModelWithoutAttentionLayers) {
+  namespace fs = std::filesystem;
+  const std::string src = test::tiny_dir(Arch::kimi_linear);
+  const std::string dir = src + "_kda_only";
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(src))
+    if (e.path().filename() != "config.json")
+      fs::copy_file(e.path(), dir / e.path().filename(), fs::copy_options::overwrite_existing);
+  std::ifstream in(src + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["num_hidden_layers"] = 2;
+  j["linear_attn_config"]["full_attn_layers"] = nlohmann::json::array();
+  j["linear_attn_config"]["kda_layers"] = {1, 2};
+  std::ofstream(dir + "/config.json") << j.dump(2);
+  const auto m = Model::load(dir);
+  fs::remove_all(dir);
+  ASSERT_EQ(m->config().num_layers_of(LayerKind::mla), 0);
+
+  EngineConfig cfg;
+  cfg.max_num_batched_tokens = 128;
+  Engine e(*m, cfg);
+  EXPECT_EQ(e.cache_plan().num_token_layers, 0);
+  const std::vector<std::vector<int32_t>> prompts = {random_prompt(150, 1), random_prompt(5, 2)};
+  for (const auto& p : prompts) e.add_request(p, greedy(6), 0, /*keep_logits=*/true);
+  const std::vector<RequestOutput> out = run_checked(e);
+  ASSERT_EQ(out.size(), prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const test::Generation ref = generate_alone(*m, prompts[i], 6);
+    EXPECT_EQ(out[i].completions.at(0).token_ids, ref.tokens) << "request " << i;
+    EXPECT_TRUE(same_bits(out[i].completions.at(0).logits, ref.logits)) << "request " << i;
+  }
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/formats.h"
+#include "kernels/cpu/basic.h"
 #include "model/make_model.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -305,6 +307,41 @@ TEST(BrokenConfig, ErrorsNameTheField) {
   const std::string dir = copy_of_tiny("notjson");
   std::ofstream(dir + "/config.json") << "{\"model_type\": ";
   expect_load_error(dir, "config.json");
+}
+
+// ModelOptions::bf16_activations (the GPU's numerics): a linear layer then multiplies the bf16-rounded input, and
+// only then; the default keeps fp32 inputs.
+TEST(Model, Bf16ActivationsRoundLinearInputs) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  const int64_t in = 37, out = 5, T = 3;
+  Linear l{Tensor({out, in})};
+  for (float& w : l.w.data) w = round_to_bf16(nd(rng));
+  std::vector<float> x(T * in), rounded(T * in);
+  for (int64_t i = 0; i < T * in; ++i) {
+    x[i] = nd(rng);
+    rounded[i] = round_to_bf16(x[i]);
+  }
+  std::vector<float> plain(T * out), expect_plain(T * out), bf(T * out), expect_bf(T * out);
+  l(x.data(), T, plain.data());
+  cpu::linear(x.data(), l.w.ptr(), expect_plain.data(), T, in, out);
+  l.bf16_inputs = true;
+  l(x.data(), T, bf.data());
+  cpu::linear(rounded.data(), l.w.ptr(), expect_bf.data(), T, in, out);
+  EXPECT_EQ(plain, expect_plain);
+  EXPECT_EQ(bf, expect_bf);
+  EXPECT_NE(bf, plain);  // the random inputs are not bf16 values, so rounding them changes the products
+
+  // Loaded with the option, the model's logits move (by bf16 rounding), without it they are the fp32 reference's.
+  ModelOptions o;
+  o.bf16_activations = true;
+  const auto emulated = Model::load(tiny_dir(Arch::kimi_linear), o);
+  const auto exact = Model::load(tiny_dir(Arch::kimi_linear));
+  // The first position: later ones can differ by far more where a router choice flips.
+  const std::vector<int32_t> ids = random_ids(1, 4);
+  const double diff = rel_err(prefill_logits(*emulated, ids), prefill_logits(*exact, ids));
+  EXPECT_GT(diff, 1e-5);
+  EXPECT_LT(diff, 0.05);
 }
 
 TEST(Presets, FullSizeParameterCounts) {
