@@ -54,3 +54,13 @@ def test_unknown_flags_and_values_are_errors(tiny_dir):  # noqa: F811
     assert r.returncode == 1 and "int3" in r.stderr
     r = run(tiny_dir, ["--enable-auto-tool-choice"])
     assert r.returncode == 1 and "--tool-call-parser" in r.stderr
+
+
+def test_device_cuda_without_a_gpu_is_refused(tiny_dir):  # noqa: F811
+    # CI has no GPU: --device cuda must say why it cannot run (no device, or a build without CUDA), not fall back.
+    r = run(tiny_dir, ["--device", "cuda"])
+    assert r.returncode == 1
+    assert "--device cuda" in r.stderr
+    assert "no CUDA device is visible" in r.stderr or "without the CUDA backend" in r.stderr
+    r = run(tiny_dir, ["--device", "tpu"])
+    assert r.returncode == 1 and "tpu" in r.stderr
