@@ -15,7 +15,12 @@ ModelOptions EngineFlags::model_options() const {
   else if (kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", kv_cache_dtype);
   if (index_dtype == "mxfp4") o.index_keys = IndexKeyDtype::mxfp4;
   else if (index_dtype != "fp8") fail("--index-dtype '{}' is not one of fp8, mxfp4", index_dtype);
-  if (kda_prefill == "recurrent") o.kda_chunked_prefill = false;
+  if (kda_prefill == "recurrent") {
+    // The mode's promise is bit-exact results for any split of a prompt, which the GPU's kernels do not keep yet.
+    if (resolved_device() == "cuda")
+      fail("--kda-prefill recurrent promises bit-exact splits, which the GPU does not keep yet; use --device cpu");
+    o.kda_chunked_prefill = false;
+  }
   else if (kda_prefill != "chunked") fail("--kda-prefill '{}' is not one of chunked, recurrent", kda_prefill);
   return o;
 }

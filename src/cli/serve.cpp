@@ -45,6 +45,9 @@ int run_serve(ServeArgs& a) {
     refused.push_back(fmt::format("--speculative-config: speculative decoding (method '{}') is not built yet",
                                   spec.value("method", "?")));
   }
+  if (a.batch_invariant && device == "cuda")
+    refused.push_back("--batch-invariant: the GPU's kernels are not batch-invariant yet (cuBLASLt chooses algorithms "
+                      "per batch shape); use --device cpu");
   if (!a.enable_chunked_prefill)
     refused.push_back("--no-enable-chunked-prefill: the scheduler always chunks prompts to the step's token budget");
   if (!refused.empty()) {

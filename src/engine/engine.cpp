@@ -26,7 +26,7 @@ int64_t model_max_len(const Model& model, const EngineConfig& cfg) {
   return cfg.max_model_len ? cfg.max_model_len : model_max;
 }
 
-CachePlan engine_plan(const Model& model, const EngineConfig& cfg) {
+CachePlan plan_for(const Model& model, const EngineConfig& cfg) {
   const int min_block = std::max(16, model.prefill_alignment());
   return plan_cache(model.cache_specs(), {.block_size = cfg.block_size,
                                           .min_block_size = min_block,
@@ -57,13 +57,15 @@ int64_t resolve_max_model_len(const Model& model, const EngineConfig& cfg, const
 
 }  // namespace
 
+CachePlan engine_plan(const Model& model, const EngineConfig& cfg) { return plan_for(model, cfg); }
+
 Engine::Engine(const Model& model, const EngineConfig& cfg)
     : model_(model),
       cfg_(cfg),
       // Prefix caching reuses token rows; a model without attention layers has none (and its KDA checkpoints would
       // have no blocks to hang on), so it runs without.
-      cache_(engine_plan(model, cfg), pool_rows(engine_plan(model, cfg), cfg),
-             cfg.enable_prefix_caching && engine_plan(model, cfg).num_token_layers > 0, !cfg.executor),
+      cache_(plan_for(model, cfg), pool_rows(plan_for(model, cfg), cfg),
+             cfg.enable_prefix_caching && plan_for(model, cfg).num_token_layers > 0, !cfg.executor),
       max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
                                  cfg.checkpoint_interval},

@@ -35,6 +35,9 @@ struct EngineConfig {
 // budget, executor); returns what must outlive the engine. Empty: the CPU.
 using DeviceAttach = std::function<std::shared_ptr<void>(const Model&, EngineConfig&)>;
 
+// The cache plan an Engine of this model and config lays its rows out by (what a device backend sizes for).
+CachePlan engine_plan(const Model& model, const EngineConfig& cfg);
+
 // A token a sequence produced in a step.
 struct TokenEvent {
   RequestId request = 0;

@@ -86,7 +86,7 @@ struct DeviceWeights {
 // Copies host tensors into the arena in the forms the kernels take.
 class Uploader {
  public:
-  Uploader(DeviceArena& arena, cudaStream_t s) : arena_(arena), stream_(s) {}
+  explicit Uploader(DeviceArena& arena) : arena_(arena) {}
 
   const float* f32(const Tensor& t, const char* what) { return f32(t.data.data(), t.data.size(), what); }
   const float* f32(const float* p, size_t n, const char* what) {
@@ -123,7 +123,6 @@ class Uploader {
     uploaded_ += n;
   }
   DeviceArena& arena_;
-  cudaStream_t stream_;
   size_t uploaded_ = 0;
 };
 
@@ -287,7 +286,7 @@ struct StepScratch {
   uint16_t* x_bf = nullptr;
   // KDA
   float *raw = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *gate = nullptr, *gout = nullptr, *o = nullptr;
-  float *low = nullptr, *beta = nullptr;
+  float* beta = nullptr;
   uint16_t *low_bf = nullptr, *o_bf = nullptr;
   float* kda_checkpoints = nullptr;
   size_t kda_checkpoint_states = 0;
@@ -331,11 +330,9 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
   KESTREL_CHECK(limits.max_tokens > 0 && limits.max_seqs > 0 && limits.max_model_len > 0 && limits.block_size > 0,
                 "GPU limits must be positive (tokens {}, seqs {}, model len {}, block {})", limits.max_tokens,
                 limits.max_seqs, limits.max_model_len, limits.block_size);
-  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-
   const size_t before = arena.used();
   w_ = std::make_unique<DeviceWeights>();
-  Uploader up(arena, stream_);
+  Uploader up(arena);
   w_->embed = up.bf16({&GpuWeightAccess::embed(host)}, "embedding");
   w_->lm_head = cfg.tie_word_embeddings ? w_->embed : up.bf16({&GpuWeightAccess::lm_head(host)}, "LM head");
   w_->final_norm = up.f32(GpuWeightAccess::final_norm(host), "final norm");
@@ -390,17 +387,20 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
   if (cfg.num_layers_of(LayerKind::kda) > 0) {
     const int64_t H = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = H * dk;
     for (float** p : {&s.raw, &s.q, &s.k, &s.v, &s.gate, &s.gout, &s.o}) *p = f32(N * P, "KDA activations");
-    s.low = f32(N * dk, "KDA gate bottleneck");
     s.low_bf = b16(N * dk, "KDA gate bottleneck");
     s.beta = f32(N * H, "KDA beta");
     s.o_bf = b16(N * P, "KDA output");
     if (dk == kFastKdaDim && host.options().kda_chunked_prefill) {
-      // The worst case of chunks: every sequence starts mid-chunk and ends mid-chunk.
+      // The most chunks a step can have: every sequence but one of two tokens across a chunk boundary (two chunks
+      // each), the last one with the rest, starting one token before a boundary: 2 (S - 1) + 1 + ceil((n - 1) / 64).
+      const int64_t pairs = std::min<int64_t>(S - 1, (N - 1) / 2);
       std::vector<int64_t> cu{0}, start;
-      for (int64_t i = 0; i < S; ++i) {
-        cu.push_back(cu.back() + (i + 1 < S ? 1 : N - (S - 1)));
+      for (int64_t i = 0; i < pairs; ++i) {
+        cu.push_back(cu.back() + 2);
         start.push_back(63);
       }
+      cu.push_back(N);
+      start.push_back(63);
       const cuda::KdaPrefillPlan worst(cu, start);
       s.kda_ws_bytes = worst.workspace_bytes(static_cast<int>(H)) + size_t{2} * S * 64 * sizeof(int64_t);
       s.kda_ws = arena.take(s.kda_ws_bytes, "KDA prefill workspace");
@@ -480,6 +480,8 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
   s.staging = std::make_unique<Staging>(arena, table_bytes);
   tables_ = std::make_unique<StepTables>();
   max_blocks_ = max_blocks;
+  // Last: nothing after it can throw, so the destructor always runs for a created stream.
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   workspace_bytes_ = arena.used() - ws_before;
 }
 
@@ -548,6 +550,14 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
   KESTREL_CHECK(plan.row_bytes % 16 == 0, "the GPU needs 16-byte aligned cache rows, the plan has {} bytes",
                 plan.row_bytes);
   const bool chunked_kda = host_.options().kda_chunked_prefill;
+  for (size_t l = 0; l < w_->layers.size(); ++l) {
+    const DLayer& L = w_->layers[l];
+    const int64_t C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
+    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == C + R && plan.index_key_bytes[l] ==
+                                                            index_key_entry_bytes(cfg, IndexKeyDtype::fp8)
+                        : plan.state_row[l] >= 0,
+                  "the cache plan does not match layer {} of the model on the GPU", l);
+  }
 
   // Validation, as Model::forward.
   Ordered& ord = t.ord;
@@ -564,6 +574,20 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
                   "{} state rows, the plan has {}", q.state_rows.size(), plan.state_rows_per_request);
     KESTREL_CHECK(q.logits_from >= 0 && q.logits_from <= n, "logits_from {} outside [0, {}]", q.logits_from, n);
     for (int32_t id : q.ids) KESTREL_CHECK(id >= 0 && id < V, "token id {} is outside the vocabulary (0..{})", id, V - 1);
+    // The kernels are sized for max_model_len (the MLA split, the indexer's scores): a longer context would be cut.
+    KESTREL_CHECK(end <= limits_.max_model_len, "a sequence of {} tokens exceeds the GPU's max_model_len {}", end,
+                  limits_.max_model_len);
+    // As KdaMixer::forward: checkpoints ascending inside the step, on block boundaries (the chunked kernel takes them
+    // at multiples of the block size).
+    for (size_t c = 0; c < q.checkpoints.size(); ++c) {
+      const int64_t p = q.checkpoints[c].position;
+      KESTREL_CHECK(p > q.start && p <= end && (c == 0 || p > q.checkpoints[c - 1].position) && p % plan.block_size == 0,
+                    "KDA checkpoint at {} is not a block boundary inside the step ({}, {}] in ascending order", p,
+                    q.start, end);
+      KESTREL_CHECK(static_cast<int>(q.checkpoints[c].rows.size()) == plan.state_rows_per_request,
+                    "a checkpoint of {} state rows, the plan has {}", q.checkpoints[c].rows.size(),
+                    plan.state_rows_per_request);
+    }
     N += n;
     wanted += n - q.logits_from;
   }
@@ -599,13 +623,17 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
   // the longest possible width, and the MLA split sized for the longest context.
   bool any_checkpoint = false;
   for (const SequenceStep& q : seqs) any_checkpoint |= !q.checkpoints.empty();
-  t.graph = graphs && ord.decode == S && !any_checkpoint;
+  // Every row's logits wanted: the graph gathers and projects S rows (a recomputed token after a preemption wants
+  // none).
+  t.graph = graphs && ord.decode == S && !any_checkpoint && wanted == N;
   int64_t bt_stride = 1;
   for (int j = 0; j < S; ++j) bt_stride = std::max<int64_t>(bt_stride, seqs[ord.seq[j]].block_table.size());
   if (t.graph) {
-    KESTREL_CHECK(bt_stride <= max_blocks_, "a block table of {} blocks exceeds the {} of max_model_len", bt_stride,
-                  max_blocks_);
-    bt_stride = max_blocks_;
+    // Graphs are captured per power-of-two block-table width (so per bucket of context), which also sizes the MLA
+    // decode's split: a few graphs per batch size instead of tables and splits sized for max_model_len.
+    int64_t width = 1;
+    while (width < bt_stride) width *= 2;
+    bt_stride = std::min(width, max_blocks_);
   }
   std::vector<int32_t> bt(static_cast<size_t>(S * bt_stride), 0);
   for (int j = 0; j < S; ++j) {
@@ -767,7 +795,15 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
         return x;
       };
       const int H = static_cast<int>(Hk), d = static_cast<int>(dk);
-      if (fast_kda && ord.decode > 0) cuda::kda_decode(in, ord.decode, H, d, d, pool_states, t.state_rows[g], s.o, st);
+      if (fast_kda && ord.decode > 0) {
+        cuda::kda_decode(in, ord.decode, H, d, d, pool_states, t.state_rows[g], s.o, st);
+        // A single token's checkpoint (recurrent-prefill mode names blocks that generated tokens complete) is the
+        // state after it: copied once the decode has updated the state in place.
+        for (int j = 0; j < ord.decode; ++j)
+          for (const CheckpointTarget& ck : seqs[ord.seq[j]].checkpoints)
+            KESTREL_CUDA_CHECK(cudaMemcpyAsync(state_base(ck.rows[g], l), state_base(seqs[ord.seq[j]].state_rows[g], l),
+                                               Hk * dk * dk * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      }
       if (fast_kda && ord.chunked > 0) {
         const int b0 = ord.decode, b1 = ord.decode + ord.chunked;
         const int64_t t0 = ord.first[b0];
@@ -844,8 +880,8 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   const int64_t V = host_.config().vocab_size;
   mark(0);
   if (t.graph) {
-    // One graph per batch size (and pool), captured on first use, replayed after.
-    cudaGraphExec_t& exec = graphs_by_size_[{t.S, batch.pool}];
+    // One graph per batch size and block-table width (and pool), captured on first use, replayed after.
+    cudaGraphExec_t& exec = graphs_by_size_[{t.S, batch.pool, t.bt_stride}];
     if (!exec) {
       cudaGraph_t graph = nullptr;
       KESTREL_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -874,6 +910,8 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + r0 * V, s.logits, rows * V * sizeof(float), cudaMemcpyDeviceToHost, st));
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
   }
+  // Synchronous also when no logits are wanted (a middle prompt chunk): the next step reuses the staging buffer.
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
   if (profiling_) {
     const auto t3 = std::chrono::steady_clock::now();
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
@@ -1017,7 +1055,8 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     if (ord.decode > 0) {
       int max_ctx = 1;
       for (int j = 0; j < ord.decode; ++j) max_ctx = std::max(max_ctx, ctx_of(j));
-      if (t.graph) max_ctx = static_cast<int>(limits_.max_model_len);  // replayed for any context
+      // Replayed for any context that fits the block table's width.
+      if (t.graph) max_ctx = static_cast<int>(std::min<int64_t>(limits_.max_model_len, bt_stride * plan.block_size));
       run(0, ord.decode, 1, max_ctx);
     }
     for (int j = ord.decode; j < S; ++j)

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <memory>
 #include <vector>
@@ -88,7 +89,7 @@ class GpuModel {
   std::unique_ptr<StepTables> tables_;
   int64_t max_blocks_ = 0;  // block-table width of a sequence of max_model_len
   bool graphs_ = true;
-  std::map<std::pair<int, uint8_t*>, cudaGraphExec_t> graphs_by_size_;
+  std::map<std::tuple<int, uint8_t*, int64_t>, cudaGraphExec_t> graphs_by_size_;  // (S, pool, block-table width)
   bool profiling_ = false;
   StepTimes times_;
   std::vector<cudaEvent_t> events_;  // profiling: begin, end, and three per layer

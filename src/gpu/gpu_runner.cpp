@@ -41,7 +41,7 @@ std::unique_ptr<GpuBackend> GpuBackend::attach(const Model& host, EngineConfig& 
   lim.max_seqs = cfg.max_num_seqs;
   const int64_t model_len = host.config().max_position_embeddings;
   lim.max_model_len = cfg.max_model_len > 0 ? cfg.max_model_len : (model_len > 0 ? model_len : 1 << 20);
-  lim.block_size = 16;  // the smallest block the planner picks: the most KDA checkpoints per step
+  lim.block_size = engine_plan(host, cfg).block_size;  // the engine's rows: KDA checkpoints and block tables
   b->model_ = std::make_unique<GpuModel>(host, lim, *b->arena_);
   const size_t left = b->arena_->remaining();
   if (cfg.num_rows == 0) cfg.cache_bytes = static_cast<int64_t>(left - std::min<size_t>(left, size_t{1} << 20));
@@ -52,7 +52,13 @@ std::unique_ptr<GpuBackend> GpuBackend::attach(const Model& host, EngineConfig& 
                  budget / double(1 << 30), utilization, b->model_->weight_bytes() / double(1 << 30),
                  b->model_->workspace_bytes() / double(1 << 30), left / double(1 << 30));
   GpuBackend* raw = b.get();
-  cfg.executor = [raw](const Model&, CacheManager& cache) -> std::unique_ptr<StepExecutor> {
+  cfg.executor = [raw](const Model& m, CacheManager& cache) -> std::unique_ptr<StepExecutor> {
+    KESTREL_CHECK(&m == &raw->model_->host(), "the GPU backend was attached for another model");
+    KESTREL_CHECK(!raw->pool_taken_, "a GPU backend serves one engine (its pool is taken)");
+    KESTREL_CHECK(cache.plan().block_size == raw->model_->limits().block_size,
+                  "the engine's block size {} is not the {} the GPU backend was sized for",
+                  cache.plan().block_size, raw->model_->limits().block_size);
+    raw->pool_taken_ = true;
     const size_t bytes = static_cast<size_t>(cache.pool().num_rows()) * static_cast<size_t>(cache.plan().row_bytes);
     auto* pool = raw->arena_->take_n<uint8_t>(bytes, "cache pool");
     KESTREL_CUDA_CHECK(cudaMemset(pool, 0, bytes));

@@ -43,6 +43,7 @@ class GpuBackend {
  private:
   std::unique_ptr<DeviceArena> arena_;
   std::unique_ptr<GpuModel> model_;
+  bool pool_taken_ = false;
 };
 
 }  // namespace kestrel::gpu

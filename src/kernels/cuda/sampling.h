@@ -1,0 +1,126 @@
+// Token sampling on the GPU: what kestrel::Sampler::sample (src/engine/sampler.cpp) does to one row of logits,
+// for many rows at once, so that a step returns token ids (and log-probabilities) instead of its logits.
+//
+// Division of work. The host keeps each sequence's state: its random stream, its prompt tokens and its counts of
+// generated tokens. Per sampled row it passes
+//   - the uniform it drew from the sequence's own stream, u = (next_random() >> 11) * 2^-53, exactly the value
+//     Sampler::sample multiplies by the mass (drawn only for rows with temperature != 0: the CPU does not advance
+//     the stream of a greedy row);
+//   - the sampling parameters (SampleRowParams, validated on the host by SamplingParams::validate);
+//   - the penalty inputs as a CSR list of distinct tokens: each token that is in the prompt or was generated, with
+//     its generated count (SamplePenaltyToken).
+// After the call the host adds the sampled token to its counts, as Sampler::sample does with ++generated_.
+//
+// The transformations are Sampler::sample's, in its order:
+//   1. penalties (only when presence or frequency != 0 or repetition != 1): repetition first, once per token that
+//      is in the prompt or generated (l > 0 ? l / r : l * r), then l -= frequency * count + presence for every
+//      generated token; fp32 operations in that order, rounded one by one (no contraction into FMAs);
+//   2. temperature 0: the first maximum of the penalised row (ties: the lower id);
+//   3. otherwise candidates by decreasing penalised logit, ties by increasing id (-0 equals +0), cut to the top_k
+//      best when 0 < top_k < vocab; p_i = exp((double(l_i) - top) / double(temperature)) in double, top the best
+//      logit; top_p < 1: the shortest head whose sum of fl(p_i / kept) reaches top_p (kept: the sum of the p_i);
+//      min_p > 0: the head before the first p_i < double(min_p) * p_0; then u * mass (mass: the sum of the kept
+//      p_i) and the first candidate whose cumulative sum exceeds it (none: the last kept candidate).
+//   Log-probabilities (a row with logprobs >= 0) are the raw row's, as the CPU's: float(double(raw[t]) - lse) with
+//   lse = max + log(sum exp(double(raw_i) - max)), and the logprobs best raw tokens (ties: lower id), best first.
+//
+// Where the result is the CPU's exactly and where it cannot be:
+//   - penalties, the greedy token, the candidate order (top-k set and ties included), every p_i's arithmetic, the
+//     min-p cut and u * mass are the CPU's operations; the greedy token is always the CPU's.
+//   - exp and log are CUDA's (at most 1 ulp from the exact value), the host's are glibc's (correctly rounded
+//     except in rare cases): a p_i may differ from the CPU's in its last bit.
+//   - sums. The CPU sums sequentially in candidate order. Here each of 1024 threads sums a contiguous chunk of
+//     ceil(n / 1024) candidates sequentially from 0, thread 0 adds the chunk sums one after the other, and the
+//     cumulative sum at candidate i is fl(sum of the chunks before + the chunk's sum up to i). With n <= 1024
+//     candidates (top_k <= 1024, or a small vocabulary) a chunk is one candidate and this is the CPU's very
+//     sequence of roundings; above, the order differs. Either way the cumulative sums are nondecreasing and a
+//     candidate with p_i = 0 never adds to them, so a zero-probability token is never drawn (u < 1 gives
+//     u * mass < mass).
+//   So the sampled token equals the CPU's unless the scaled uniform, or top_p, lies within rounding of a
+//   cumulative sum at a candidate boundary: |difference| <= (n + ceil(n / 1024) + 1026) * 2^-53 * mass plus one ulp
+//   of each p_i (the CPU's recursive sum is within (n - 1) * 2^-53 * mass of the exact one, this one within
+//   (ceil(n / 1024) + 1025) * 2^-53 * mass). There the token may be a neighbour in candidate order. The uniform
+//   lands there with probability about 2^-53 * n per row.
+//   - log-probabilities: the lse sum runs in another order (and log is CUDA's), so lse differs in its last bits
+//     (relative 1e-15); after the rounding to fp32 a log-probability is the CPU's or one fp32 ulp from it. The
+//     alternatives' ids and order are exact.
+// NaN logits: the CPU's sort is undefined for them; here a NaN sorts last and the row's token is unspecified (no
+// fault).
+//
+// Cost: every non-greedy row is fully sorted (one CUB segmented radix sort over 32-bit keys, one block per row),
+// then at most five passes over its candidates; greedy rows only have their argmax. A row asking for logprobs
+// alternatives costs one pass over the vocabulary per alternative.
+//
+// All pointers are device pointers; the call is asynchronous on its stream, allocates nothing, reads no device
+// data on the host and is deterministic (CUDA-graph capturable). Argument errors throw kestrel::Error.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kestrel::cuda {
+
+constexpr int64_t kMaxSampleVocab = 262144;
+// Alternatives per row the GPU returns; a request asking for more keeps its sampling on the host.
+constexpr int kMaxSampleTopLogprobs = 20;
+
+// One sampled row's parameters, as kestrel::SamplingParams (validated there).
+struct SampleRowParams {
+  double uniform = 0.0;  // temperature != 0: (next_random() >> 11) * 2^-53 from the sequence's stream, in [0, 1)
+  float temperature = 0.0f;  // 0: greedy
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;
+  int32_t top_k = 0;     // 0: all
+  int32_t logprobs = -1;  // >= 0: the sampled token's log-probability and min(logprobs, max_top_logprobs) best
+};
+
+// A token of a row's penalty list: in the prompt, or generated `generated` >= 1 times, or both. Tokens of one row
+// are distinct.
+struct SamplePenaltyToken {
+  int32_t token = 0;
+  int32_t generated = 0;
+  int32_t in_prompt = 0;  // 1: the token is in the prompt (counts only for the repetition penalty)
+};
+
+struct SampleRowsArgs {
+  const float* logits = nullptr;  // [logit_rows, vocab] fp32, the model's raw logits
+  int64_t logit_rows = 0;
+  int64_t vocab = 0;
+  int64_t rows = 0;                       // rows to sample
+  const int32_t* source_rows = nullptr;   // [rows]: the logits row of each sampled row (the n completions of a
+                                          // prompt sample its last row); null: row r samples logits row r
+  const SampleRowParams* params = nullptr;  // [rows]
+  // Penalty lists in CSR form: row r's tokens are penalty_tokens[penalty_offsets[r] .. penalty_offsets[r + 1]).
+  // Both null: every list is empty. Ids outside the vocabulary are skipped.
+  const int32_t* penalty_offsets = nullptr;  // [rows + 1]
+  const SamplePenaltyToken* penalty_tokens = nullptr;
+  int32_t* tokens = nullptr;  // [rows] out: the sampled tokens
+  // Optional outputs, written for rows with logprobs >= 0 only: the sampled token's log-probability, and the first
+  // min(logprobs, max_top_logprobs) entries of the row's alternatives (the rest of the row is not written).
+  float* token_logprobs = nullptr;  // [rows]
+  int32_t* top_ids = nullptr;       // [rows, max_top_logprobs]
+  float* top_logprobs = nullptr;    // [rows, max_top_logprobs]
+  int max_top_logprobs = 0;         // 0..kMaxSampleTopLogprobs; > 0 needs top_ids and top_logprobs
+};
+
+// Device scratch sample_rows needs for `rows` rows of `vocab` logits on the current device: about 16 bytes per
+// logit plus the sort's own scratch. rows * vocab must stay below 2^31.
+size_t sample_rows_workspace_bytes(int64_t rows, int64_t vocab);
+
+// Samples every row as described above. workspace: at least sample_rows_workspace_bytes(args.rows, args.vocab)
+// bytes, 256-byte aligned; one call at a time may use it.
+void sample_rows(const SampleRowsArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// The kernels and the sort behind sample_rows (sampling.cu), called once the arguments are checked
+// (sampling.cpp).
+namespace detail {
+size_t sample_rows_workspace_bytes(int64_t rows, int64_t vocab);
+cudaError_t launch_sample_rows(const SampleRowsArgs& args, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream);
+}  // namespace detail
+
+}  // namespace kestrel::cuda
