@@ -65,7 +65,8 @@ Engine::Engine(const Model& model, const EngineConfig& cfg)
       // Prefix caching reuses token rows; a model without attention layers has none (and its KDA checkpoints would
       // have no blocks to hang on), so it runs without.
       cache_(plan_for(model, cfg), pool_rows(plan_for(model, cfg), cfg),
-             cfg.enable_prefix_caching && plan_for(model, cfg).num_token_layers > 0, !cfg.executor),
+             cfg.enable_prefix_caching && plan_for(model, cfg).num_token_layers > 0,
+             !cfg.executor || cfg.executor_on_host_pool),
       max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
                                  cfg.checkpoint_interval},
@@ -127,7 +128,11 @@ void Engine::sample(Sequence& s, const float* logits, StepOutput& out) {
   const bool want_logprobs = s.request->params.logprobs >= 0;
   TokenLogprob lp;
   const int32_t token = s.sampler.sample(logits, model_.config().vocab_size, want_logprobs ? &lp : nullptr);
-  if (want_logprobs) s.logprobs.push_back(std::move(lp));
+  record(s, token, want_logprobs ? &lp : nullptr, out);
+}
+
+void Engine::record(Sequence& s, int32_t token, TokenLogprob* logprob, StepOutput& out) {
+  if (logprob) s.logprobs.push_back(std::move(*logprob));
   s.tokens.push_back(token);
   out.tokens.push_back({s.request->id, s.index, token});
   ++stats_.generated_tokens;
@@ -160,17 +165,52 @@ void Engine::fork(Sequence& parent, const float* logits, StepOutput& out) {
   }
 }
 
+bool Engine::samples_on_executor(const StepPlan& plan) const {
+  for (const ScheduledSequence& x : plan.seqs) {
+    const Sequence& s = *x.seq;
+    if (s.request->keep_logits) return false;
+    if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;  // samples nothing this step
+    if (s.index == 0 && !s.request->forked && s.request->params.n > 1) return false;
+    if (!runner_->samples(s.request->params)) return false;
+  }
+  return true;
+}
+
 StepOutput Engine::step() {
   StepOutput out;
   const StepPlan plan = scheduler_.schedule();
   KESTREL_CHECK(!plan.seqs.empty() || scheduler_.idle(),
                 "no sequence could be scheduled although {} wait and {} run", scheduler_.num_waiting(),
                 scheduler_.num_running());
+  std::vector<RequestId> touched;
+  if (!plan.seqs.empty() && samples_on_executor(plan)) {
+    // The executor chooses the tokens where the logits are; each sequence's sampler supplies its uniform and
+    // penalties and counts the token, exactly as Sampler::sample would.
+    std::vector<SampleRow> rows;
+    std::vector<Sequence*> sampled;
+    int64_t row = 0;
+    for (const ScheduledSequence& x : plan.seqs) {
+      Sequence& s = *x.seq;
+      row += x.count - x.logits_from;
+      if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;
+      rows.push_back({row - 1, &s.request->params, s.sampler.draw_uniform(), s.sampler.penalty_tokens()});
+      sampled.push_back(&s);
+    }
+    std::vector<SampledToken> tokens = runner_->execute_sampled(plan, rows);
+    scheduler_.commit(plan);
+    KESTREL_CHECK(tokens.size() == sampled.size(), "the executor sampled {} rows of {}", tokens.size(), sampled.size());
+    for (size_t i = 0; i < sampled.size(); ++i) {
+      Sequence& s = *sampled[i];
+      s.sampler.accept(tokens[i].token);
+      record(s, tokens[i].token, s.request->params.logprobs >= 0 ? &tokens[i].logprob : nullptr, out);
+      touched.push_back(s.request->id);
+    }
+    return finish_step(plan, touched, std::move(out));
+  }
   const std::vector<float>& logits = runner_->execute(plan);
   scheduler_.commit(plan);
   const int64_t V = model_.config().vocab_size;
   int64_t row = 0;
-  std::vector<RequestId> touched;
   for (const ScheduledSequence& x : plan.seqs) {
     Sequence& s = *x.seq;
     const int64_t rows = x.count - x.logits_from;
@@ -187,6 +227,10 @@ StepOutput Engine::step() {
     sample(s, last, out);
     touched.push_back(s.request->id);
   }
+  return finish_step(plan, touched, std::move(out));
+}
+
+StepOutput Engine::finish_step(const StepPlan& plan, const std::vector<RequestId>& touched, StepOutput out) {
   for (RequestId id : touched) {
     const auto it = requests_.find(id);
     if (it == requests_.end()) continue;

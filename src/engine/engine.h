@@ -27,8 +27,10 @@ struct EngineConfig {
   SchedulingPolicy policy = SchedulingPolicy::fcfs;
   bool enable_prefix_caching = true;
   int checkpoint_interval = 1;   // KDA checkpoints every this many blocks of prompt
-  // Empty: the CPU model runner over a host pool. Set (the GPU runner): the pool's bytes live with the executor.
+  // Empty: the CPU model runner over a host pool. Set (the GPU runner): the pool's bytes live with the executor,
+  // unless executor_on_host_pool (an executor that runs on the host's pool, e.g. in tests).
   StepExecutorFactory executor;
+  bool executor_on_host_pool = false;
 };
 
 // Points an engine's config at a device before the Engine is built (the GPU backend: weights uploaded, memory
@@ -82,6 +84,13 @@ class Engine {
 
  private:
   void sample(Sequence& s, const float* logits, StepOutput& out);
+  // The token chosen for s (by its sampler or by the executor): appended, reported, checked for the end.
+  void record(Sequence& s, int32_t token, TokenLogprob* logprob, StepOutput& out);
+  // Whether the executor can sample every sequence of the plan that samples this step (none keeps its logits, none
+  // forks its n completions now), so that the logits stay on its device.
+  bool samples_on_executor(const StepPlan& plan) const;
+  // The requests whose sequences all finished are collected; the step's counters.
+  StepOutput finish_step(const StepPlan& plan, const std::vector<RequestId>& touched, StepOutput out);
   void fork(Sequence& parent, const float* logits, StepOutput& out);
   void finish_if_done(Sequence& s, int32_t token);
   RequestOutput collect(Request& r) const;

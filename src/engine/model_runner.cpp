@@ -2,7 +2,13 @@
 
 #include <cstring>
 
+#include "core/error.h"
+
 namespace kestrel {
+
+std::vector<SampledToken> StepExecutor::execute_sampled(const StepPlan&, std::span<const SampleRow>) {
+  fail("this executor does not sample; the engine samples its logits");
+}
 
 void ModelRunner::apply(std::span<const RowOp> ops) {
   RowPool& pool = cache_.pool();

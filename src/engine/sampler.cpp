@@ -42,23 +42,23 @@ uint64_t Sampler::next_random() {
   return z ^ (z >> 31);
 }
 
-int32_t Sampler::sample(const float* raw, int64_t vocab, TokenLogprob* logprob) {
+int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, double uniform,
+                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob) {
   std::vector<float> penalised_logits;
   const float* logits = raw;
-  if (penalised()) {
+  if (p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f || p_.repetition_penalty != 1.0f) {
     penalised_logits.assign(raw, raw + vocab);
     const float r = p_.repetition_penalty;
-    auto repeat = [&](int32_t t) {
-      float& l = penalised_logits[t];
-      l = l > 0.0f ? l / r : l * r;
-    };
-    if (r != 1.0f) {
-      for (int32_t t : prompt_tokens_) repeat(t);
-      for (const auto& [t, count] : generated_)
-        if (!prompt_tokens_.count(t)) repeat(t);
-    }
-    for (const auto& [t, count] : generated_)
-      penalised_logits[t] -= p_.frequency_penalty * static_cast<float>(count) + p_.presence_penalty;
+    // Each token once (the list is distinct): repetition for tokens of the prompt or generated, then frequency and
+    // presence for generated ones; each token's operations are independent of the others'.
+    if (r != 1.0f)
+      for (const PenaltyToken& t : penalties) {
+        float& l = penalised_logits[t.token];
+        l = l > 0.0f ? l / r : l * r;
+      }
+    for (const PenaltyToken& t : penalties)
+      if (t.generated > 0)
+        penalised_logits[t.token] -= p_.frequency_penalty * static_cast<float>(t.generated) + p_.presence_penalty;
     logits = penalised_logits.data();
   }
 
@@ -100,7 +100,7 @@ int32_t Sampler::sample(const float* raw, int64_t vocab, TokenLogprob* logprob) 
     }
     double mass = 0.0;
     for (int64_t i = 0; i < keep; ++i) mass += prob[i];
-    const double u = static_cast<double>(next_random() >> 11) * (1.0 / 9007199254740992.0) * mass;
+    const double u = uniform * mass;
     double cum = 0.0;
     token = order[keep - 1];
     for (int64_t i = 0; i < keep; ++i) {
@@ -128,7 +128,31 @@ int32_t Sampler::sample(const float* raw, int64_t vocab, TokenLogprob* logprob) 
       for (int i = 0; i < p_.logprobs; ++i) logprob->top.emplace_back(ids[i], static_cast<float>(raw[ids[i]] - lse));
     }
   }
-  ++generated_[token];
+  return token;
+}
+
+
+double Sampler::draw_uniform() {
+  if (p_.temperature == 0.0f) return 0.0;
+  return static_cast<double>(next_random() >> 11) * (1.0 / 9007199254740992.0);
+}
+
+std::vector<PenaltyToken> Sampler::penalty_tokens() const {
+  std::vector<PenaltyToken> out;
+  if (!penalised()) return out;
+  for (int32_t t : prompt_tokens_) {
+    const auto g = generated_.find(t);
+    out.push_back({t, g == generated_.end() ? 0 : g->second, true});
+  }
+  for (const auto& [t, count] : generated_)
+    if (!prompt_tokens_.count(t)) out.push_back({t, count, false});
+  return out;
+}
+
+int32_t Sampler::sample(const float* logits, int64_t vocab, TokenLogprob* logprob) {
+  const double u = draw_uniform();
+  const int32_t token = sample_token(p_, logits, vocab, u, penalty_tokens(), logprob);
+  accept(token);
   return token;
 }
 

@@ -36,6 +36,20 @@ struct TokenLogprob {
   std::vector<std::pair<int32_t, float>> top;  // the highest-probability tokens, best first (ties: lower id)
 };
 
+// A token the penalties apply to: in the prompt (counts for the repetition penalty only, and only when it is on),
+// or generated `generated` >= 1 times, or both.
+struct PenaltyToken {
+  int32_t token = 0;
+  int32_t generated = 0;
+  bool in_prompt = false;
+};
+
+// The choice of one token from one row of logits, given everything a sequence's state contributes: the uniform
+// drawn from its stream (used only when temperature != 0) and its penalty tokens (distinct). Sampler::sample is this
+// plus the state; a device sampler (kernels/cuda/sampling.h) implements the same function.
+int32_t sample_token(const SamplingParams& p, const float* logits, int64_t vocab, double uniform,
+                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob);
+
 class Sampler {
  public:
   // stream: the index of the completion among the request's n (each draws from its own stream).
@@ -43,6 +57,14 @@ class Sampler {
   // Chooses the next token and counts it as generated. Log-probabilities, when asked for, are those of the
   // model's distribution (the raw logits, before penalties and temperature).
   int32_t sample(const float* logits, int64_t vocab, TokenLogprob* logprob = nullptr);
+
+  // sample() in parts, for a token chosen elsewhere (on a GPU) by sample_token: the uniform sample() would use (the
+  // stream advances only when temperature != 0, as in sample(); otherwise 0 and nothing advances), the penalty
+  // tokens, and counting the chosen token.
+  double draw_uniform();
+  std::vector<PenaltyToken> penalty_tokens() const;
+  void accept(int32_t token) { ++generated_[token]; }
+  const SamplingParams& params() const { return p_; }
 
  private:
   bool penalised() const;

@@ -8,11 +8,24 @@
 #include <vector>
 
 #include "cache/cache_manager.h"
+#include "engine/sampler.h"
 #include "engine/scheduler.h"
 
 namespace kestrel {
 
 class Model;
+
+// A row an executor samples itself (an executor whose device samples: the logits never reach the host).
+struct SampleRow {
+  int64_t logits_row = 0;                 // among the step's wanted rows, in plan order
+  const SamplingParams* params = nullptr;
+  double uniform = 0.0;                   // Sampler::draw_uniform() of the row's sequence
+  std::vector<PenaltyToken> penalties;    // Sampler::penalty_tokens() of the row's sequence
+};
+struct SampledToken {
+  int32_t token = 0;
+  TokenLogprob logprob;  // when params->logprobs >= 0
+};
 
 class StepExecutor {
  public:
@@ -22,6 +35,10 @@ class StepExecutor {
   // Runs the plan's row ops and forward. Returns the logits [wanted positions, vocab] on the host, sequences in
   // plan order.
   virtual const std::vector<float>& execute(const StepPlan& plan) = 0;
+  // Whether execute_sampled can choose tokens with these parameters.
+  virtual bool samples(const SamplingParams&) const { return false; }
+  // Runs the plan as execute() does and chooses each row's token as sample_token() (engine/sampler.h) would.
+  virtual std::vector<SampledToken> execute_sampled(const StepPlan& plan, std::span<const SampleRow> rows);
 };
 
 // Makes the executor of an engine once its cache exists.
