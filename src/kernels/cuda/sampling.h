@@ -36,14 +36,16 @@
 //     sequence of roundings; above, the order differs. Either way the cumulative sums are nondecreasing and a
 //     candidate with p_i = 0 never adds to them, so a zero-probability token is never drawn (u < 1 gives
 //     u * mass < mass).
-//   So the sampled token equals the CPU's unless the scaled uniform, or top_p, lies within rounding of a
-//   cumulative sum at a candidate boundary: |difference| <= (n + ceil(n / 1024) + 1026) * 2^-53 * mass plus one ulp
-//   of each p_i (the CPU's recursive sum is within (n - 1) * 2^-53 * mass of the exact one, this one within
-//   (ceil(n / 1024) + 1025) * 2^-53 * mass). There the token may be a neighbour in candidate order. The uniform
-//   lands there with probability about 2^-53 * n per row.
-//   - log-probabilities: the lse sum runs in another order (and log is CUDA's), so lse differs in its last bits
-//     (relative 1e-15); after the rounding to fp32 a log-probability is the CPU's or one fp32 ulp from it. The
-//     alternatives' ids and order are exact.
+//   So the sampled token equals the CPU's unless the scaled uniform u * mass lies within
+//   B = 2 (n + ceil(n / 1024) + 1030) * 2^-53 * mass of the cumulative sum at a candidate boundary (n: the
+//   candidates after the top-k cut; the CPU's recursive sum is within (n - 1) 2^-53 mass of the exact sum, this
+//   one within (ceil(n / 1024) + 1025) 2^-53 mass, a p_i within 1.5 ulp of the CPU's, and u * mass follows the
+//   mass), or top_p lies within B / mass of the top-p head's cumulative sum, or a p_i within 2 ulp of the min-p
+//   floor. There the token may be a neighbour in candidate order. The uniform lands there with probability about
+//   2 B / mass per row.
+//   - log-probabilities: the lse sum runs in another order than the CPU's and log is CUDA's, so lse differs from
+//     the CPU's by at most (vocab + vocab / 1024 + 48 + 8 (|lse| + |max logit|)) 2^-53; a log-probability is within
+//     that plus one fp32 ulp of the CPU's (for most rows it is equal). The alternatives' ids and order are exact.
 // NaN logits: the CPU's sort is undefined for them; here a NaN sorts last and the row's token is unspecified (no
 // fault).
 //
@@ -118,7 +120,7 @@ void sample_rows(const SampleRowsArgs& args, void* workspace, size_t workspace_b
 // The kernels and the sort behind sample_rows (sampling.cu), called once the arguments are checked
 // (sampling.cpp).
 namespace detail {
-size_t sample_rows_workspace_bytes(int64_t rows, int64_t vocab);
+cudaError_t sample_rows_workspace_bytes(int64_t rows, int64_t vocab, size_t* bytes);
 cudaError_t launch_sample_rows(const SampleRowsArgs& args, void* workspace, size_t workspace_bytes,
                                cudaStream_t stream);
 }  // namespace detail
