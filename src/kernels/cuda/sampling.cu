@@ -35,16 +35,16 @@ __device__ __forceinline__ float key_logit(uint32_t key) {
   return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7FFFFFFFu) : ~ordered);
 }
 
-// Sampler::penalised.
+// sample_token applies penalties only when one is on.
 __device__ __forceinline__ bool penalised(const SampleRowParams& p) {
   return p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
 }
 
-// Sampler::sample's penalties for one token, each fp32 operation rounded on its own as on the host (built with
+// sample_token's penalties for one listed token, each fp32 operation rounded on its own as on the host (built with
 // -ffp-contract=off): nvcc would otherwise fuse the product and the sum.
 __device__ __forceinline__ float penalise(float l, const SamplePenaltyToken& t, const SampleRowParams& p) {
   const float r = p.repetition_penalty;
-  if (r != 1.0f && (t.in_prompt != 0 || t.generated > 0)) l = l > 0.0f ? __fdiv_rn(l, r) : __fmul_rn(l, r);
+  if (r != 1.0f) l = l > 0.0f ? __fdiv_rn(l, r) : __fmul_rn(l, r);
   if (t.generated > 0)
     l = __fsub_rn(l, __fadd_rn(__fmul_rn(p.frequency_penalty, static_cast<float>(t.generated)), p.presence_penalty));
   return l;
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(SampleRowsArgs a, Pre
   }
   if (!logprobs) return;
 
-  // Sampler::sample's log-probabilities: mx the raw maximum (fp32), exp in double, lse = mx + log(total).
+  // sample_token's log-probabilities: mx the raw maximum (fp32), exp in double, lse = mx + log(total).
   const double mx = key_logit(block_first(raw_best, key_scratch).key);
   double part = 0.0;
   for (int64_t i = threadIdx.x; i < V; i += kThreads) part = __dadd_rn(part, exp(__dsub_rn(raw[i], mx)));

@@ -1,20 +1,19 @@
-// Token sampling on the GPU: what kestrel::Sampler::sample (src/engine/sampler.cpp) does to one row of logits,
-// for many rows at once, so that a step returns token ids (and log-probabilities) instead of its logits.
+// Token sampling on the GPU: kestrel::sample_token (src/engine/sampler.h, sampler.cpp; what Sampler::sample does
+// with a sequence's state) for many rows at once, so that a step returns token ids (and log-probabilities) instead
+// of its logits.
 //
-// Division of work. The host keeps each sequence's state: its random stream, its prompt tokens and its counts of
-// generated tokens. Per sampled row it passes
-//   - the uniform it drew from the sequence's own stream, u = (next_random() >> 11) * 2^-53, exactly the value
-//     Sampler::sample multiplies by the mass (drawn only for rows with temperature != 0: the CPU does not advance
-//     the stream of a greedy row);
-//   - the sampling parameters (SampleRowParams, validated on the host by SamplingParams::validate);
-//   - the penalty inputs as a CSR list of distinct tokens: each token that is in the prompt or was generated, with
-//     its generated count (SamplePenaltyToken).
-// After the call the host adds the sampled token to its counts, as Sampler::sample does with ++generated_.
+// Division of work. The host keeps each sequence's state (its Sampler: random stream, prompt tokens, counts of
+// generated tokens). Per sampled row it passes
+//   - the uniform Sampler::draw_uniform() returns: (next_random() >> 11) * 2^-53, the value sample_token
+//     multiplies by the mass (0, with the stream not advanced, for a greedy row);
+//   - the sampling parameters (SampleRowParams, from SamplingParams validated by SamplingParams::validate);
+//   - Sampler::penalty_tokens() as a CSR list of distinct (token, generated count) pairs (SamplePenaltyToken).
+// After the call the host counts the sampled token (Sampler::accept).
 //
-// The transformations are Sampler::sample's, in its order:
-//   1. penalties (only when presence or frequency != 0 or repetition != 1): repetition first, once per token that
-//      is in the prompt or generated (l > 0 ? l / r : l * r), then l -= frequency * count + presence for every
-//      generated token; fp32 operations in that order, rounded one by one (no contraction into FMAs);
+// The transformations are sample_token's, in its order:
+//   1. penalties (only when presence or frequency != 0 or repetition != 1): repetition first, for every listed
+//      token (l > 0 ? l / r : l * r) when r != 1, then l -= frequency * count + presence for every listed token
+//      with count >= 1; fp32 operations in that order, rounded one by one (no contraction into FMAs);
 //   2. temperature 0: the first maximum of the penalised row (ties: the lower id);
 //   3. otherwise candidates by decreasing penalised logit, ties by increasing id (-0 equals +0), cut to the top_k
 //      best when 0 < top_k < vocab; p_i = exp((double(l_i) - top) / double(temperature)) in double, top the best
@@ -69,7 +68,7 @@ constexpr int kMaxSampleTopLogprobs = 20;
 
 // One sampled row's parameters, as kestrel::SamplingParams (validated there).
 struct SampleRowParams {
-  double uniform = 0.0;  // temperature != 0: (next_random() >> 11) * 2^-53 from the sequence's stream, in [0, 1)
+  double uniform = 0.0;  // Sampler::draw_uniform(), in [0, 1)
   float temperature = 0.0f;  // 0: greedy
   float top_p = 1.0f;
   float min_p = 0.0f;
@@ -80,12 +79,11 @@ struct SampleRowParams {
   int32_t logprobs = -1;  // >= 0: the sampled token's log-probability and min(logprobs, max_top_logprobs) best
 };
 
-// A token of a row's penalty list: in the prompt, or generated `generated` >= 1 times, or both. Tokens of one row
-// are distinct.
+// A token of a row's penalty list (kestrel::PenaltyToken without its in_prompt flag, which sample_token does not
+// read): in the prompt, or generated `generated` >= 1 times, or both. Tokens of one row are distinct.
 struct SamplePenaltyToken {
   int32_t token = 0;
   int32_t generated = 0;
-  int32_t in_prompt = 0;  // 1: the token is in the prompt (counts only for the repetition penalty)
 };
 
 struct SampleRowsArgs {

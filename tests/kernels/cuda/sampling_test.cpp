@@ -1,10 +1,10 @@
 // GPU sampling (cuda::sample_rows) against the CPU sampler's arithmetic.
 //
-// The reference is kestrel::Sampler::sample (src/engine/sampler.cpp). This test links only the kernel libraries,
-// not the engine, so reference_sample below is a line-for-line copy of that function's arithmetic, with the
-// uniform passed in instead of drawn from the stream (so that uniforms at 0, next to 1 and on cumulative
-// boundaries can be tested) and the intermediate values the checks need recorded. It must follow sampler.cpp: a
-// change there is a change here.
+// The reference is kestrel::sample_token (src/engine/sampler.cpp), with the penalty list a sequence's Sampler
+// hands it (Sampler::penalty_tokens). This test links only the kernel libraries, not the engine, so
+// reference_sample and penalty_list below are line-for-line copies of those two functions (the uniform is an
+// argument of sample_token, so uniforms at 0, next to 1 and on cumulative boundaries can be tested), recording the
+// intermediate values the checks need. They must follow sampler.cpp: a change there is a change here.
 #include "kernels/cuda/sampling.h"
 
 #include <gtest/gtest.h>
@@ -36,6 +36,27 @@ struct PenaltyState {
   std::map<int32_t, int> generated;
 };
 
+bool penalised(const SampleRowParams& p) {
+  return p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
+}
+
+// Sampler::penalty_tokens (sampler.cpp) for a Sampler built with p and st.prompt that generated st.generated:
+// nothing without a penalty; the prompt's tokens only with a repetition penalty (the constructor keeps them only
+// then), each once; then the generated tokens not in the prompt.
+std::vector<SamplePenaltyToken> penalty_list(const SampleRowParams& p, const PenaltyState& st) {
+  std::vector<SamplePenaltyToken> out;
+  if (!penalised(p)) return out;
+  std::unordered_set<int32_t> prompt_tokens;
+  if (p.repetition_penalty != 1.0f) prompt_tokens.insert(st.prompt.begin(), st.prompt.end());
+  for (int32_t t : prompt_tokens) {
+    const auto g = st.generated.find(t);
+    out.push_back({t, g == st.generated.end() ? 0 : g->second});
+  }
+  for (const auto& [t, count] : st.generated)
+    if (!prompt_tokens.count(t)) out.push_back({t, count});
+  return out;
+}
+
 struct Reference {
   int32_t token = 0;
   bool greedy = true;
@@ -53,38 +74,30 @@ struct Reference {
 // The bound sampling.h states for the cumulative sums of n candidates (relative to their total).
 double sum_bound(int64_t n) { return 2.0 * static_cast<double>(n + (n + 1023) / 1024 + 1030) * kEps; }
 
-// Sampler::sample's penalties (sampler.cpp): the logits it samples from.
-std::vector<float> reference_penalise(const float* raw, int64_t vocab, const SampleRowParams& p,
-                                      const PenaltyState& st) {
-  // The Sampler's state (constructor and ++generated_): the prompt set only with a repetition penalty.
-  std::unordered_set<int32_t> prompt_tokens;
-  if (p.repetition_penalty != 1.0f) prompt_tokens.insert(st.prompt.begin(), st.prompt.end());
+// sample_token's penalties (sampler.cpp): the logits it samples from.
+std::vector<float> reference_penalise(const float* raw, int64_t vocab, const SampleRowParams& p_,
+                                      const std::vector<SamplePenaltyToken>& penalties) {
   std::vector<float> penalised_logits(raw, raw + vocab);
-  const float r = p.repetition_penalty;
-  auto repeat = [&](int32_t t) {
-    float& l = penalised_logits[t];
-    l = l > 0.0f ? l / r : l * r;
-  };
-  if (r != 1.0f) {
-    for (int32_t t : prompt_tokens) repeat(t);
-    for (const auto& [t, count] : st.generated)
-      if (!prompt_tokens.count(t)) repeat(t);
-  }
-  for (const auto& [t, count] : st.generated)
-    penalised_logits[t] -= p.frequency_penalty * static_cast<float>(count) + p.presence_penalty;
+  const float r = p_.repetition_penalty;
+  if (r != 1.0f)
+    for (const SamplePenaltyToken& t : penalties) {
+      float& l = penalised_logits[t.token];
+      l = l > 0.0f ? l / r : l * r;
+    }
+  for (const SamplePenaltyToken& t : penalties)
+    if (t.generated > 0)
+      penalised_logits[t.token] -= p_.frequency_penalty * static_cast<float>(t.generated) + p_.presence_penalty;
   return penalised_logits;
 }
 
-// Sampler::sample (sampler.cpp) with the draw given: u01 stands for (next_random() >> 11) * 2^-53. n_top: the
-// number of alternatives (the CPU's p_.logprobs), -1 for none.
-Reference reference_sample(const float* raw, int64_t vocab, const SampleRowParams& p, const PenaltyState& st,
-                           double u01, int n_top) {
+// sample_token (sampler.cpp). n_top: the number of alternatives (the CPU's p_.logprobs), -1 for none.
+Reference reference_sample(const float* raw, int64_t vocab, const SampleRowParams& p,
+                           const std::vector<SamplePenaltyToken>& penalties, double u01, int n_top) {
   Reference ref;
-  const bool penalised = p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
   std::vector<float> penalised_logits;
   const float* logits = raw;
-  if (penalised) {
-    penalised_logits = reference_penalise(raw, vocab, p, st);
+  if (penalised(p)) {
+    penalised_logits = reference_penalise(raw, vocab, p, penalties);
     logits = penalised_logits.data();
   }
 
@@ -202,17 +215,12 @@ class GpuBatch {
         top_ids_(static_cast<size_t>(b.rows() * std::max(b.max_top, 1))),
         top_logprobs_(static_cast<size_t>(b.rows() * std::max(b.max_top, 1))),
         workspace_(sample_rows_workspace_bytes(b.rows(), b.vocab)) {
-    // The CSR penalty lists: each token in the prompt or generated once, with its count.
+    // The CSR penalty lists, as the engine hands each sequence's Sampler::penalty_tokens() on.
     std::vector<int32_t> offsets{0};
     std::vector<SamplePenaltyToken> entries;
-    for (const PenaltyState& st : b.states) {
-      std::map<int32_t, SamplePenaltyToken> row;
-      for (int32_t t : st.prompt) row[t] = SamplePenaltyToken{t, 0, 1};
-      for (const auto& [t, count] : st.generated) {
-        row.try_emplace(t, SamplePenaltyToken{t, 0, 0});
-        row[t].generated = count;
-      }
-      for (const auto& [t, e] : row) entries.push_back(e);
+    for (int64_t r = 0; r < b.rows(); ++r) {
+      const std::vector<SamplePenaltyToken> row = penalty_list(b.params[r], b.states[r]);
+      entries.insert(entries.end(), row.begin(), row.end());
       offsets.push_back(static_cast<int32_t>(entries.size()));
     }
     offsets_ = to_device(offsets);
@@ -318,7 +326,7 @@ void check_batch(const Batch& b, const std::vector<double>& uniforms, const std:
     const SampleRowParams& p = b.params[r];
     const int n_top = p.logprobs >= 0 ? std::min(p.logprobs, b.max_top) : -1;
     const float* raw = b.row(r);
-    const Reference ref = reference_sample(raw, b.vocab, p, b.states[r], uniforms[r], n_top);
+    const Reference ref = reference_sample(raw, b.vocab, p, penalty_list(p, b.states[r]), uniforms[r], n_top);
     check_token(ref, g.tokens[r], exact[r], tally, r);
     if (n_top < 0) continue;
     const int32_t t = g.tokens[r];
@@ -495,7 +503,7 @@ TEST(SampleRows, GreedyTies) {
       }
       const GpuResult g = run_gpu(b);
       for (int64_t r = 0; r < rows; ++r) {
-        const Reference ref = reference_sample(b.row(r), V, b.params[r], b.states[r], 0.0, -1);
+        const Reference ref = reference_sample(b.row(r), V, b.params[r], penalty_list(b.params[r], b.states[r]), 0.0, -1);
         EXPECT_EQ(g.tokens[r], ref.token) << "V " << V << " row " << r;
       }
       if (rows > 1) {
@@ -534,7 +542,7 @@ TEST(SampleRows, PenaltyArithmeticIsTheCpusToTheBit) {
     if (generated == 0 || r % 3 == 0) st.prompt.push_back(a);
     float* row = b.logits.data() + r * V;
     row[a] = logit(rng);
-    row[o] = reference_penalise(row, V, p, st)[a];
+    row[o] = reference_penalise(row, V, p, penalty_list(p, st))[a];
     b.params.push_back(p);
     b.states.push_back(st);
     want.push_back(std::min(a, o));
@@ -611,7 +619,7 @@ TEST(SampleRows, UniformsOnCumulativeBoundaries) {
     const std::vector<SampleRowParams> options = {sampled(1.0f), sampled(1.0f, 600), sampled(0.7f, 0, 0.9f)};
     for (int src = 0; src < 2; ++src)
       for (const SampleRowParams& o : options) {
-        const Reference ref = reference_sample(b.logits.data() + src * V, V, o, PenaltyState{}, 0.0, -1);
+        const Reference ref = reference_sample(b.logits.data() + src * V, V, o, {}, 0.0, -1);
         for (int j = 0; j < 8; ++j) {
           const int64_t at = std::min<int64_t>(ref.keep - 1, j * j * 3);
           const double boundary = ref.cum[at] / ref.mass;
