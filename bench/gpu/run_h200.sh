@@ -21,6 +21,11 @@
 #   With the DSA benchmark: KESTREL_DSA_PROFILE=1 adds an Nsight Compute profile of one launch of each stage
 #   (ncu-dsa.txt); KESTREL_DSA_MEMCHECK_S caps the compute-sanitizer memcheck of small DSA cases (seconds, default
 #   75; 0 skips it; memcheck-dsa.log); KESTREL_DSA_RACECHECK=1 adds a racecheck of small cases (racecheck-dsa.log).
+#   Right after dsa_decode_bench, bench/gpu/peers_dsa.py times the DSA peers, DeepGEMM's paged FP8 indexer logits
+#   and FlashMLA's sparse decode (sections KESTREL_DSA_PEERS_SECTIONS; capped at KESTREL_GPU_BENCH_S;
+#   bench-peers_dsa.log), built from .peers/ into build-peers/ by bench/gpu/build_peers_h200.sh, which runs first
+#   when KESTREL_DSA_PEERS_BUILD=1 (minutes; build-*.log); unbuilt peers print "not available";
+#   KESTREL_DSA_PEERS=0 skips it.
 #   With the MLA benchmark: KESTREL_MLA_PROFILE=1 adds an Nsight Compute profile of the dense kernel (ncu-mla.txt);
 #   KESTREL_MLA_SANITIZE_S caps each of its memcheck and racecheck runs of small cases (seconds, default 40; 0
 #   skips them; memcheck-mla.log, racecheck-mla.log).
@@ -136,6 +141,14 @@ kda_peers() {
     python3 "$ROOT/bench/gpu/peers_kda.py" 2>&1 | tee "$LOGS/bench-peers_kda.log"
   echo "peers_kda exit ${PIPESTATUS[0]} (bench-peers_kda.log)"
 }
+dsa_peers() {
+  [ "${KESTREL_DSA_PEERS:-1}" = 1 ] || return 0
+  echo "== peers_dsa"
+  [ "${KESTREL_DSA_PEERS_BUILD:-0}" = 1 ] && bash "$ROOT/bench/gpu/build_peers_h200.sh" "$LOGS"
+  PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 "$ROOT/bench/gpu/peers_dsa.py" \
+    --sections "${KESTREL_DSA_PEERS_SECTIONS:-deepgemm_paged,flashmla_decode}" 2>&1 | tee "$LOGS/bench-peers_dsa.log"
+  echo "peers_dsa exit ${PIPESTATUS[0]} (bench-peers_dsa.log)"
+}
 for b in "${BENCHES[@]}"; do
   echo "== $b"
   timeout "$BENCH_S" "$BIN/$b" 2>&1 | tee "$LOGS/bench-$b.log"
@@ -143,6 +156,7 @@ for b in "${BENCHES[@]}"; do
   echo "$b exit $rc"
   [ "$rc" = 0 ] || failed+=("$b")
   if [ "$b" = kda_cuda_bench ]; then kda_peers; fi
+  if [ "$b" = dsa_decode_bench ]; then dsa_peers; fi
 done
 
 runs() { [ "$BENCH" = all ] || [ "$BENCH" = "$1" ]; }

@@ -1,0 +1,437 @@
+"""The peers of bench/gpu/dsa_decode_bench.cpp, measured in the same run on the same GPU: DeepGEMM's FP8 indexer
+logits and FlashMLA's sparse MLA over the FP8 latent cache, both built from source by
+bench/gpu/build_peers_h200.sh (into KESTREL_PEERS_BUILD, default build-peers/ in this repository).
+
+Shapes (the seed's, as in dsa_decode_bench): top-2048, 64-token pages, one query token per request (n_q = 1),
+contexts L = 8K / 32K / 128K, batches B = 1 / 32 / 64, MLA heads 96 and 128, indexer heads H_I = 32 and 64 of
+dimension 128. All inputs are random (Gaussian values, quantised as each library expects; never zeros).
+- `deepgemm paged_mqa_logits`: deep_gemm.fp8_paged_mqa_logits, the decode indexer: fp32 logits [B, L] of
+  sum_j w_j relu(q_j . k) over a paged FP8 key cache (per page: 64 x 128 e4m3 codes, then 64 fp32 scales, the same
+  132 bytes per token as Kestrel's index-key pages), with its schedule from get_paged_mqa_logits_metadata (timed
+  on its own as `paged_mqa_logits_metadata`: once per step, shared by the layers). Kestrel's counterpart is
+  index_scores_decode (the "scores fp8" column). key_TBps counts the keys read (B L 132 bytes, as Kestrel's "fp8
+  scan TB/s"); TBps adds the logits written (B L 4 bytes).
+- `flashmla sparse_decode`: flash_mla.flash_mla_with_kvcache with indices and is_fp8_kvcache, FlashMLA's 656-byte
+  V3.2 token layout (512 e4m3 codes, 4 fp32 tile scales, 64 bf16 rope values; made by FlashMLA's own
+  tests/quant.py), bf16 queries [B, 1, h_q, 576], softmax scale 0.1352338 as Kestrel's benchmark. Indices are each
+  request's 2048 positions (distinct, ascending, uniform over its context) turned into cache slots through its
+  page table (page * 64 + offset), as FlashMLA's tests and vLLM do. On SM90 FlashMLA takes h_q = 64 or 128: H = 96
+  runs as h_q = 128 (padded heads, as vLLM pads), labelled h_q=128. Kestrel's counterpart is sparse_mla_decode
+  (576-byte latent rows). kv_TBps counts the cache rows read (B 2048 656 bytes); TFLOPs counts 2 h_q 2048
+  (576 + 512) per request, FlashMLA's convention.
+- `deepgemm mqa_logits` (prefill indexer, no paging) and `flashmla sparse_prefill` (bf16 latent, as FlashMLA's
+  prefill kernel takes it): S = 4096 query tokens at the end of a context of L = 32K / 128K, causal; no Kestrel
+  counterpart yet, for the issue's record.
+
+Timing as dsa_decode_bench: CUDA events, medians of 20 after 3 warm-ups, and every call on another set of request
+caches (page tables into a pool of sets), with enough sets that the rotated caches are at least 600 MB and the
+rows the calls read at least 240 MB, so that they come from memory, not the 50-60 MB L2. "eager" times each
+Python call alone (it includes the host time of the call: tens of microseconds, which dominate at B = 1);
+"graph" is the median over 20 replays (after 3) of a CUDA graph of one call per set (at most 256), per call: the
+kernels' own time, the number to hold against Kestrel's. The prefill kernels run for milliseconds: eager only,
+median of 10. Each decode case first checks one request's output against a float reference of the same quantised
+inputs (rel_diff, informational).
+
+Prints one line per measurement, `peer <library> <op> key=value ...`. Exits 0 with `<library> not available: <why>`
+for a peer that is not built or does not import, 1 when a case failed, else 0.
+Usage: python3 bench/gpu/peers_dsa.py [--contexts 8192,32768,131072] [--batches 1,32,64] [--heads 96,128]
+       [--index-heads 32,64] [--sections flashmla_decode,deepgemm_paged,deepgemm_prefill,flashmla_prefill]
+"""
+
+import argparse
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+DEVICE = "cuda"
+PAGE = 64
+TOPK = 2048
+LATENT = 576
+VALUE = 512
+INDEX_DIM = 128
+INDEX_KEY_BYTES = INDEX_DIM + 4
+FLASHMLA_TOKEN_BYTES = 656
+SOFTMAX_SCALE = 0.1352338
+ITERS, WARM = 20, 3
+PREFILL_ITERS = 10
+ROTATED_BYTES = 600e6  # whole request caches rotated, as dsa_decode_bench
+TOUCHED_BYTES = 240e6  # bytes the rotated calls read, several times the L2
+POOL_BYTES_CAP = 20e9
+GRAPH_MAX_LAUNCHES = 256
+TEMPLATE_PAGES = 64  # distinct random pages, copied over the pool
+SECTIONS = ("flashmla_decode", "deepgemm_paged", "deepgemm_prefill", "flashmla_prefill")
+
+
+def int_list(text):
+    return [int(v) for v in text.split(",") if v]
+
+
+def build_dir():
+    return Path(os.environ.get("KESTREL_PEERS_BUILD", Path(__file__).resolve().parents[2] / "build-peers"))
+
+
+def commit_of(folder):
+    f = folder / "COMMIT"
+    return f.read_text().strip() if f.is_file() else "unknown"
+
+
+def load_flashmla():
+    """Returns (flash_mla, its tests/quant.py module, commit) from the build folder."""
+    d = build_dir() / "flashmla"
+    if not list((d / "flash_mla").glob("cuda*.so")):
+        raise FileNotFoundError(f"no built FlashMLA in {d} (run bench/gpu/build_peers_h200.sh)")
+    sys.path.insert(0, str(d))
+    import flash_mla
+
+    spec = importlib.util.spec_from_file_location("flashmla_tests_quant", d / "tests" / "quant.py")
+    quant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quant)
+    return flash_mla, quant, commit_of(d)
+
+
+def load_deepgemm():
+    d = build_dir() / "deepgemm"
+    if not list((d / "deep_gemm").glob("_C*.so")):
+        raise FileNotFoundError(f"no built DeepGEMM in {d} (run bench/gpu/build_peers_h200.sh)")
+    os.environ.setdefault("DG_JIT_CACHE_DIR", str(build_dir() / "deepgemm-jit"))
+    sys.path.insert(0, str(d))
+    import deep_gemm
+
+    return deep_gemm, commit_of(d)
+
+
+def rel_diff(got, ref):
+    got, ref = got.float(), ref.float()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class Bench:
+    def __init__(self, torch):
+        self.torch = torch
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.stop = torch.cuda.Event(enable_timing=True)
+        self.gen = torch.Generator(device=DEVICE)
+        self.gen.manual_seed(2026)
+        self.failed = 0
+
+    # ------------------------------------------------------------------ helpers
+    def randn(self, shape, dtype=None):
+        x = self.torch.randn(shape, device=DEVICE, dtype=self.torch.float32, generator=self.gen)
+        return x if dtype is None else x.to(dtype)
+
+    def quantize_ue8m0(self, x):
+        """Per-row e4m3 codes and power-of-two fp32 scales (amax floored at 1e-4), as Kestrel's quantize_fp8_ue8m0."""
+        torch = self.torch
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        return (x / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+    def sets_for(self, set_bytes, touched_bytes):
+        wanted = max(2, math.ceil(ROTATED_BYTES / set_bytes), math.ceil(TOUCHED_BYTES / touched_bytes))
+        return max(2, min(wanted, int(POOL_BYTES_CAP // set_bytes)))
+
+    def tiled_pool(self, template, pages):
+        """A pool of `pages` pages (rounded up to whole templates) filled with copies of the template's pages."""
+        n = template.shape[0]
+        pool = self.torch.empty((-(-pages // n) * n, *template.shape[1:]), device=DEVICE, dtype=template.dtype)
+        pool.view(-1, *template.shape).copy_(template.expand(pool.shape[0] // n, *template.shape))
+        return pool
+
+    def page_tables(self, pool_pages, sets, B, pages):
+        """One shuffled permutation of the pool cut into per-set, per-request page tables: int32 [sets, B, pages]."""
+        perm = self.torch.randperm(pool_pages, device=DEVICE, generator=self.gen)[: sets * B * pages]
+        return perm.view(sets, B, pages).to(self.torch.int32)
+
+    def time_ms(self, fn):
+        self.start.record()
+        fn()
+        self.stop.record()
+        self.stop.synchronize()
+        return self.start.elapsed_time(self.stop)
+
+    def eager_us(self, call, iters=ITERS, warm=WARM):
+        for i in range(warm):
+            call(i)
+        times = [self.time_ms(lambda: call(warm + i)) * 1e3 for i in range(iters)]
+        return statistics.median(times), min(times)
+
+    def graph_us(self, call, launches):
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(launches):
+                call(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(launches):
+                call(i)
+        per_call = [self.time_ms(graph.replay) * 1e3 / launches for _ in range(ITERS + WARM)][WARM:]
+        del graph
+        return statistics.median(per_call)
+
+    def fail(self, label, e):
+        self.failed += 1
+        print(f"{label} error={type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        traceback.print_exc(file=sys.stdout)
+
+    def timed_modes(self, label, call, sets, rate):
+        """Prints the eager and the graph line of one case; rate(us) gives the rate fields."""
+        try:
+            us, best = self.eager_us(call)
+            print(f"{label} mode=eager median_us={us:.2f} min_us={best:.2f} {rate(us)} sets={sets} reps={ITERS}")
+        except Exception as e:
+            self.fail(f"{label} mode=eager", e)
+        launches = min(sets, GRAPH_MAX_LAUNCHES)
+        try:
+            us = self.graph_us(call, launches)
+            print(f"{label} mode=graph median_us={us:.2f} {rate(us)} sets={sets} launches={launches} reps={ITERS}")
+        except Exception as e:
+            self.fail(f"{label} mode=graph", e)
+
+    # ------------------------------------------------------------------ DeepGEMM
+    def deepgemm_paged(self, dg, B, L, index_heads):
+        torch = self.torch
+        pages = L // PAGE
+        set_bytes = B * L * INDEX_KEY_BYTES
+        sets = self.sets_for(set_bytes, set_bytes)
+        # Template pages: 64 x 128 codes, then 64 fp32 scales (DeepGEMM's fused layout; Kestrel's index-key page).
+        codes, scales = self.quantize_ue8m0(self.randn((TEMPLATE_PAGES * PAGE, INDEX_DIM)))
+        template = torch.cat([codes.view(torch.uint8).reshape(TEMPLATE_PAGES, PAGE * INDEX_DIM),
+                              scales.view(torch.uint8).reshape(TEMPLATE_PAGES, PAGE * 4)], dim=1)
+        pool = self.tiled_pool(template, sets * B * pages)
+        cache = pool.view(pool.shape[0], PAGE, 1, INDEX_KEY_BYTES)
+        tables = self.page_tables(pool.shape[0], sets, B, pages)
+        ctx = torch.full((B, 1), L, device=DEVICE, dtype=torch.int32)
+        num_sms = dg.get_num_sms()
+        shape = f"B={B} L={L}"
+        try:
+            schedule = dg.get_paged_mqa_logits_metadata(ctx, PAGE, num_sms)
+            us, best = self.eager_us(lambda i: dg.get_paged_mqa_logits_metadata(ctx, PAGE, num_sms))
+            print(f"peer deepgemm paged_mqa_logits_metadata {shape} mode=eager median_us={us:.2f} min_us={best:.2f}"
+                  f" num_sms={num_sms}")
+        except Exception as e:
+            self.fail(f"peer deepgemm paged_mqa_logits_metadata {shape}", e)
+            return
+        for HI in index_heads:
+            label = f"peer deepgemm paged_mqa_logits {shape} HI={HI} D={INDEX_DIM}"
+            try:
+                q_codes, _ = self.quantize_ue8m0(self.randn((B, 1, HI, INDEX_DIM)))
+                weights = self.randn((B, HI)) * 0.01
+
+                def call(i):
+                    return dg.fp8_paged_mqa_logits(q_codes, cache, weights, ctx, tables[i % sets], schedule, L, False)
+
+                t0 = time.perf_counter()
+                logits = call(0)
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                # Request 0 of set 0 against a float reference on the same codes and scales.
+                rows = pool[tables[0, 0].long()]
+                k = (rows[:, : PAGE * INDEX_DIM].contiguous().view(torch.float8_e4m3fn).float().view(L, INDEX_DIM)
+                     * rows[:, PAGE * INDEX_DIM:].contiguous().view(torch.float32).view(L, 1))
+                ref = (torch.relu(q_codes[0, 0].float() @ k.T) * weights[0, :, None]).sum(0)
+                print(f"{label} check rel_diff={rel_diff(logits[0, :L], ref):.2e} first_call_s={first_s:.1f}")
+            except Exception as e:
+                self.fail(label, e)
+                continue
+
+            def rate(us):
+                return (f"key_TBps={set_bytes / (us * 1e-6) / 1e12:.3f}"
+                        f" TBps={(set_bytes + B * L * 4) / (us * 1e-6) / 1e12:.3f}")
+
+            self.timed_modes(label, call, sets, rate)
+        del pool, cache, tables
+
+    def deepgemm_prefill(self, dg, S, L, index_heads):
+        torch = self.torch
+        kv_codes, kv_scales = self.quantize_ue8m0(self.randn((L, INDEX_DIM)))
+        ks = torch.zeros(S, device=DEVICE, dtype=torch.int32)
+        ke = torch.arange(L - S + 1, L + 1, device=DEVICE, dtype=torch.int32)
+        pairs = int((ke - ks).sum().item())
+        for HI in index_heads:
+            label = f"peer deepgemm mqa_logits S={S} L={L} HI={HI} D={INDEX_DIM} clean_logits=0"
+            try:
+                q_codes, _ = self.quantize_ue8m0(self.randn((S, HI, INDEX_DIM)))
+                weights = self.randn((S, HI)) * 0.01
+
+                def call(i):
+                    return dg.fp8_mqa_logits(q_codes, (kv_codes, kv_scales), weights, ks, ke, False)
+
+                t0 = time.perf_counter()
+                call(0)
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                us, best = self.eager_us(call, PREFILL_ITERS)
+                print(f"{label} mode=eager median_us={us:.1f} min_us={best:.1f}"
+                      f" TFLOPs={2 * pairs * HI * INDEX_DIM / (us * 1e-6) / 1e12:.1f} reps={PREFILL_ITERS}"
+                      f" first_call_s={first_s:.1f}")
+            except Exception as e:
+                self.fail(label, e)
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ FlashMLA
+    def flashmla_decode(self, fm, quant, B, L, heads):
+        torch = self.torch
+        pages = L // PAGE
+        set_bytes = B * L * FLASHMLA_TOKEN_BYTES
+        touched = B * TOPK * FLASHMLA_TOKEN_BYTES
+        sets = self.sets_for(set_bytes, touched)
+        layout = quant.FP8KVCacheLayout.V32_FP8Sparse
+        template = quant.quantize_k_cache(self.randn((TEMPLATE_PAGES, PAGE, 1, LATENT), torch.bfloat16), layout)
+        pool = self.tiled_pool(template.contiguous().view(torch.uint8), sets * B * pages)
+        cache = pool.view(torch.float8_e4m3fn)
+        tables = self.page_tables(pool.shape[0], sets, B, pages)
+        indices = torch.empty((sets, B, 1, TOPK), device=DEVICE, dtype=torch.int32)
+        for s in range(sets):
+            pos = torch.rand((B, L), device=DEVICE, generator=self.gen).topk(TOPK, dim=1).indices.sort(dim=1).values
+            indices[s, :, 0] = (tables[s].long().gather(1, pos // PAGE) * PAGE + pos % PAGE).to(torch.int32)
+        for H in heads:
+            h_q = 128 if H == 96 else H
+            label = f"peer flashmla sparse_decode B={B} L={L} H={H} k={TOPK} h_q={h_q}"
+            if h_q not in (64, 128):
+                print(f"{label} not available: FlashMLA's SM90 sparse decode takes 64 or 128 heads")
+                continue
+            try:
+                q = self.randn((B, 1, h_q, LATENT), torch.bfloat16)
+                schedule = fm.get_mla_metadata()[0]
+
+                def call(i):
+                    return fm.flash_mla_with_kvcache(q, cache, None, None, VALUE, schedule, None,
+                                                     softmax_scale=SOFTMAX_SCALE, causal=False, is_fp8_kvcache=True,
+                                                     indices=indices[i % sets])
+
+                t0 = time.perf_counter()
+                out, lse = call(0)
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                # Request 0 of set 0 against a float reference on FlashMLA's own dequantisation of the rows.
+                rows = pool.view(-1, FLASHMLA_TOKEN_BYTES)[indices[0, 0, 0].long()].view(torch.float8_e4m3fn)
+                k = quant.dequantize_k_cache(rows.view(TOPK, 1, 1, FLASHMLA_TOKEN_BYTES), layout).float().view(TOPK, LATENT)
+                scores = (q[0, 0].float() @ k.T) * SOFTMAX_SCALE
+                ref_out = torch.softmax(scores, dim=-1) @ k[:, :VALUE]
+                lse_diff = (lse[0, :, 0] - torch.logsumexp(scores, dim=-1)).abs().max().item()
+                print(f"{label} check rel_diff_out={rel_diff(out[0, 0], ref_out):.2e} max_abs_diff_lse={lse_diff:.2e}"
+                      f" first_call_s={first_s:.1f}")
+            except Exception as e:
+                self.fail(label, e)
+                continue
+
+            def rate(us):
+                return (f"kv_TBps={touched / (us * 1e-6) / 1e12:.3f}"
+                        f" TFLOPs={2 * h_q * B * TOPK * (LATENT + VALUE) / (us * 1e-6) / 1e12:.1f}")
+
+            self.timed_modes(label, call, sets, rate)
+        del pool, cache, tables, indices
+
+    def flashmla_prefill(self, fm, S, L, heads):
+        torch = self.torch
+        kv = self.randn((L, 1, LATENT), torch.bfloat16)
+        # Query t sits at position L - S + t and picks 2048 distinct positions <= its own.
+        indices = torch.empty((S, 1, TOPK), device=DEVICE, dtype=torch.int32)
+        cols = torch.arange(L, device=DEVICE)
+        for r0 in range(0, S, 256):
+            rows = torch.arange(r0, min(S, r0 + 256), device=DEVICE)
+            r = torch.rand((rows.numel(), L), device=DEVICE, generator=self.gen)
+            r.masked_fill_(cols[None, :] > (L - S + rows)[:, None], -1.0)
+            indices[r0:r0 + rows.numel(), 0] = r.topk(TOPK, dim=1).indices.sort(dim=1).values.to(torch.int32)
+        for H in heads:
+            h_q = 128 if H == 96 else H
+            label = f"peer flashmla sparse_prefill S={S} L={L} H={H} k={TOPK} h_q={h_q}"
+            try:
+                q = self.randn((S, h_q, LATENT), torch.bfloat16)
+
+                def call(i):
+                    return fm.flash_mla_sparse_fwd(q, kv, indices, SOFTMAX_SCALE, VALUE)
+
+                t0 = time.perf_counter()
+                call(0)
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                us, best = self.eager_us(call, PREFILL_ITERS)
+                print(f"{label} mode=eager median_us={us:.1f} min_us={best:.1f}"
+                      f" TFLOPs={2 * h_q * S * TOPK * (LATENT + VALUE) / (us * 1e-6) / 1e12:.1f}"
+                      f" reps={PREFILL_ITERS} first_call_s={first_s:.1f}")
+            except Exception as e:
+                self.fail(label, e)
+        del kv, indices
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int_list, default=[8192, 32768, 131072])
+    parser.add_argument("--batches", type=int_list, default=[1, 32, 64])
+    parser.add_argument("--heads", type=int_list, default=[96, 128])
+    parser.add_argument("--index-heads", type=int_list, default=[32, 64])
+    parser.add_argument("--prefill-queries", type=int, default=4096)
+    parser.add_argument("--prefill-contexts", type=int_list, default=[32768, 131072])
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    args = parser.parse_args()
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    for L in args.contexts + args.prefill_contexts:
+        if L % 256 or L < TOPK:
+            parser.error(f"context {L}: must be a multiple of 256 and at least {TOPK}")
+
+    try:
+        import torch
+    except Exception as e:
+        print(f"flashmla not available: no torch ({e})\ndeepgemm not available: no torch ({e})")
+        return 0
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        why = "torch sees no CUDA device" if not torch.cuda.is_available() else "the GPU is not SM90 (Hopper)"
+        print(f"flashmla not available: {why}\ndeepgemm not available: {why}")
+        return 0
+    if not os.environ.get("CUDA_HOME") and Path("/usr/local/cuda/bin/nvcc").exists():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # DeepGEMM's JIT finds nvcc there
+
+    peers = {}
+    if any(s.startswith("flashmla") for s in sections):
+        try:
+            peers["flashmla"] = load_flashmla()
+        except Exception as e:
+            print(f"flashmla not available: {type(e).__name__}: {e}")
+    if any(s.startswith("deepgemm") for s in sections):
+        try:
+            peers["deepgemm"] = load_deepgemm()
+        except Exception as e:
+            print(f"deepgemm not available: {type(e).__name__}: {e}")
+    device = torch.cuda.get_device_name(0).replace(" ", "_")
+    for name, loaded in peers.items():
+        module = loaded[0]
+        print(f"peer {name} info commit={loaded[-1]} module={Path(module.__file__).parent} torch={torch.__version__}"
+              f" cuda={torch.version.cuda} device={device} sms={torch.cuda.get_device_properties(0).multi_processor_count}")
+
+    bench = Bench(torch)
+    with torch.inference_mode():
+        if "deepgemm_paged" in sections and "deepgemm" in peers:
+            for L in args.contexts:
+                for B in args.batches:
+                    bench.deepgemm_paged(peers["deepgemm"][0], B, L, args.index_heads)
+                    torch.cuda.empty_cache()
+        if "flashmla_decode" in sections and "flashmla" in peers:
+            fm, quant, _ = peers["flashmla"]
+            for L in args.contexts:
+                for B in args.batches:
+                    bench.flashmla_decode(fm, quant, B, L, args.heads)
+                    torch.cuda.empty_cache()
+        if "deepgemm_prefill" in sections and "deepgemm" in peers:
+            for L in args.prefill_contexts:
+                bench.deepgemm_prefill(peers["deepgemm"][0], args.prefill_queries, L, args.index_heads)
+        if "flashmla_prefill" in sections and "flashmla" in peers:
+            for L in args.prefill_contexts:
+                bench.flashmla_prefill(peers["flashmla"][0], args.prefill_queries, L, args.heads)
+    return 1 if bench.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
