@@ -20,6 +20,7 @@
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/cuda/sampling.h"
 
 namespace kestrel {
 
@@ -313,6 +314,14 @@ struct StepScratch {
   float *hw = nullptr, *logits = nullptr;
   uint16_t* hw_bf = nullptr;
   int64_t logits_rows = 0;
+  // Sampling on the GPU (forward_sampled): outputs, workspace, and the rows' parameters and penalty lists.
+  int64_t sample_rows = 0;
+  size_t sample_penalty_capacity = 0;
+  int32_t *sampled_tokens = nullptr, *sampled_top_ids = nullptr;
+  float *sampled_logprobs = nullptr, *sampled_top_logprobs = nullptr;
+  void* sample_ws = nullptr;
+  size_t sample_ws_bytes = 0;
+  std::unique_ptr<Staging> sample_staging;
 };
 
 }  // namespace gpu
@@ -478,6 +487,22 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
                                                  groups * 3 * S * 8 + 2 * (N + S) * 16) +
                              (size_t{1} << 20);
   s.staging = std::make_unique<Staging>(arena, table_bytes);
+  // Sampling: one row per sequence (the engine samples on the GPU only when no request keeps its logits), penalty
+  // lists of up to 2048 tokens a row on average (more: the step samples on the host from copied logits).
+  s.sample_rows = std::min<int64_t>(S, s.logits_rows);
+  if (cfg.vocab_size <= cuda::kMaxSampleVocab) {
+    const int64_t K = cuda::kMaxSampleTopLogprobs;
+    s.sampled_tokens = arena.take_n<int32_t>(s.sample_rows, "sampled tokens");
+    s.sampled_logprobs = f32(s.sample_rows, "sampled log-probabilities");
+    s.sampled_top_ids = arena.take_n<int32_t>(s.sample_rows * K, "sampled alternatives");
+    s.sampled_top_logprobs = f32(s.sample_rows * K, "sampled alternatives");
+    s.sample_ws_bytes = cuda::sample_rows_workspace_bytes(s.sample_rows, cfg.vocab_size);
+    s.sample_ws = arena.take(s.sample_ws_bytes, "sampling workspace");
+    s.sample_penalty_capacity = static_cast<size_t>(s.sample_rows) * 2048;
+    s.sample_staging = std::make_unique<Staging>(
+        arena, static_cast<size_t>(s.sample_rows) * (sizeof(cuda::SampleRowParams) + 16) +
+                   s.sample_penalty_capacity * sizeof(cuda::SamplePenaltyToken) + 4096);
+  }
   tables_ = std::make_unique<StepTables>();
   max_blocks_ = max_blocks;
   // Last: nothing after it can throw, so the destructor always runs for a created stream.
@@ -871,14 +896,8 @@ void GpuModel::lm_head(int64_t r0, int64_t rows) {
   s_->gemm.linear(s_->hw_bf + r0 * D, rows, D, D, w_->lm_head, V, s_->logits, V, stream_);
 }
 
-void GpuModel::forward(const StepBatch& batch, float* logits) {
-  StepTables& t = *tables_;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (!prepare(batch, t, graphs_)) return;
-  const auto t1 = std::chrono::steady_clock::now();
+void GpuModel::launch(const StepBatch& batch, const StepTables& t) {
   const cudaStream_t st = stream_;
-  const int64_t V = host_.config().vocab_size;
-  mark(0);
   if (t.graph) {
     // One graph per batch size and block-table width (and pool), captured on first use, replayed after.
     cudaGraphExec_t& exec = graphs_by_size_[{t.S, batch.pool, t.bt_stride}];
@@ -901,6 +920,92 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   } else {
     run(batch, t);
   }
+}
+
+void GpuModel::forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out) {
+  StepTables& t = *tables_;
+  out.assign(rows.size(), SampledToken{});
+  if (!prepare(batch, t, graphs_)) return;
+  StepScratch& s = *s_;
+  const cudaStream_t st = stream_;
+  const int64_t V = host_.config().vocab_size;
+  KESTREL_CHECK(t.wanted <= s.logits_rows && static_cast<int64_t>(rows.size()) <= s.sample_rows,
+                "a step sampling {} rows of {} wanted exceeds the GPU's sampling buffers", rows.size(), t.wanted);
+  launch(batch, t);
+  // The rows' parameters and penalty lists; lists beyond the buffer are sampled on the host from copied logits.
+  size_t penalties = 0;
+  for (const SampleRow& r : rows) penalties += r.penalties.size();
+  if (penalties > s.sample_penalty_capacity) {
+    std::vector<float> host(static_cast<size_t>(t.wanted * V));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(host.data(), s.logits, host.size() * sizeof(float), cudaMemcpyDeviceToHost, st));
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+    for (size_t i = 0; i < rows.size(); ++i)
+      out[i].token = sample_token(*rows[i].params, host.data() + rows[i].logits_row * V, V, rows[i].uniform,
+                                  rows[i].penalties, rows[i].params->logprobs >= 0 ? &out[i].logprob : nullptr);
+    return;
+  }
+  std::vector<cuda::SampleRowParams> params(rows.size());
+  std::vector<int32_t> source(rows.size()), offsets{0};
+  std::vector<cuda::SamplePenaltyToken> tokens;
+  int max_top = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const SamplingParams& p = *rows[i].params;
+    params[i] = {rows[i].uniform, p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                 p.repetition_penalty, p.top_k, p.logprobs};
+    source[i] = static_cast<int32_t>(rows[i].logits_row);
+    for (const PenaltyToken& pt : rows[i].penalties) tokens.push_back({pt.token, pt.generated});
+    offsets.push_back(static_cast<int32_t>(tokens.size()));
+    max_top = std::max(max_top, p.logprobs);
+  }
+  Staging& tab = *s.sample_staging;
+  tab.reset();
+  cuda::SampleRowsArgs a;
+  a.logits = s.logits;
+  a.logit_rows = t.wanted;
+  a.vocab = V;
+  a.rows = static_cast<int64_t>(rows.size());
+  a.source_rows = tab.put(source);
+  a.params = tab.put(params);
+  a.penalty_offsets = tokens.empty() ? nullptr : tab.put(offsets);
+  a.penalty_tokens = tokens.empty() ? nullptr : tab.put(tokens);
+  tab.flush(st);
+  a.tokens = s.sampled_tokens;
+  a.token_logprobs = s.sampled_logprobs;
+  a.top_ids = s.sampled_top_ids;
+  a.top_logprobs = s.sampled_top_logprobs;
+  a.max_top_logprobs = std::min(max_top, cuda::kMaxSampleTopLogprobs);
+  cuda::sample_rows(a, s.sample_ws, s.sample_ws_bytes, st);
+  const size_t n = rows.size(), K = cuda::kMaxSampleTopLogprobs;
+  std::vector<int32_t> tok(n), top_ids(n * K);
+  std::vector<float> lp(n), top_lp(n * K);
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(tok.data(), s.sampled_tokens, n * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(lp.data(), s.sampled_logprobs, n * sizeof(float), cudaMemcpyDeviceToHost, st));
+  if (max_top > 0) {
+    KESTREL_CUDA_CHECK(
+        cudaMemcpyAsync(top_ids.data(), s.sampled_top_ids, n * K * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+    KESTREL_CUDA_CHECK(
+        cudaMemcpyAsync(top_lp.data(), s.sampled_top_logprobs, n * K * sizeof(float), cudaMemcpyDeviceToHost, st));
+  }
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+  for (size_t i = 0; i < n; ++i) {
+    out[i].token = tok[i];
+    const int want = rows[i].params->logprobs;
+    if (want < 0) continue;
+    out[i].logprob.token = tok[i];
+    out[i].logprob.logprob = lp[i];
+    for (int k = 0; k < want; ++k) out[i].logprob.top.emplace_back(top_ids[i * K + k], top_lp[i * K + k]);
+  }
+}
+
+void GpuModel::forward(const StepBatch& batch, float* logits) {
+  StepTables& t = *tables_;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!prepare(batch, t, graphs_)) return;
+  const auto t1 = std::chrono::steady_clock::now();
+  const cudaStream_t st = stream_;
+  const int64_t V = host_.config().vocab_size;
+  mark(0);
+  launch(batch, t);
   mark(1);
   const auto t2 = std::chrono::steady_clock::now();
   const StepScratch& s = *s_;
@@ -933,6 +1038,8 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
       }
   }
 }
+
+bool GpuModel::samples_on_gpu() const { return sampling_ && s_->sampled_tokens != nullptr; }
 
 float* GpuModel::state_at(const StepBatch& batch, int32_t row, size_t layer) const {
   const CachePlan& plan = *batch.plan;

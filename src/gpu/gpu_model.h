@@ -11,12 +11,14 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <tuple>
 #include <utility>
 #include <memory>
 #include <vector>
 
 #include "gpu/device_arena.h"
+#include "engine/step_executor.h"
 #include "model/model.h"
 
 namespace kestrel::gpu {
@@ -68,6 +70,14 @@ class GpuModel {
   // [wanted positions, vocab], requests in order, as Model::forward. Synchronous (returns when the logits are in
   // host memory).
   void forward(const StepBatch& batch, float* logits);
+  // The same step, choosing each row's token on the GPU (kernels/cuda/sampling.h: what sample_token does) instead of
+  // copying the logits back: only the tokens (and asked-for log-probabilities) come to the host. Needs every wanted
+  // row to be sampled once (no kept logits). Synchronous.
+  void forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out);
+  // Whether steps may sample on the GPU (a vocabulary the kernel takes, and switched on). Off by default until the
+  // sampling kernels have run on a GPU (bench/results/gpu_engine_h200.md); the engine then samples on the host.
+  bool samples_on_gpu() const;
+  void set_gpu_sampling(bool on) { sampling_ = on; }
 
  private:
   // One MLA layer over the step (x_bf -> y) and one FFN or MoE (h -> post-norm -> y): parts of forward().
@@ -76,6 +86,7 @@ class GpuModel {
   // Every kernel of the step, from the embedding to the first rows of logits in device memory (capturable).
   void run(const StepBatch& batch, const StepTables& t);
   void lm_head(int64_t first_row, int64_t rows);
+  void launch(const StepBatch& batch, const StepTables& t);  // run() directly or through the batch size's graph
   void mla_layer(const DMla& m, size_t layer, const StepBatch& batch, const StepTables& t);
   void ffn_layer(const DLayer& layer, int64_t N);
   float* state_at(const StepBatch& batch, int32_t row, size_t layer) const;
@@ -91,6 +102,7 @@ class GpuModel {
   bool graphs_ = true;
   std::map<std::tuple<int, uint8_t*, int64_t>, cudaGraphExec_t> graphs_by_size_;  // (S, pool, block-table width)
   bool profiling_ = false;
+  bool sampling_ = false;
   StepTimes times_;
   std::vector<cudaEvent_t> events_;  // profiling: begin, end, and three per layer
   void mark(size_t i);

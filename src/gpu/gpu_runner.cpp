@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "engine/step_inputs.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/cuda/sampling.h"
 
 namespace kestrel::gpu {
 
@@ -28,6 +29,18 @@ const std::vector<float>& GpuModelRunner::execute(const StepPlan& plan) {
   logits_.resize(static_cast<size_t>(in.wanted_logits * model_.host().config().vocab_size));
   if (!in.steps.empty()) model_.forward(StepBatch{pool_, &cache_.plan(), in.steps}, logits_.data());
   return logits_;
+}
+
+bool GpuModelRunner::samples(const SamplingParams& p) const {
+  return model_.samples_on_gpu() && p.logprobs <= cuda::kMaxSampleTopLogprobs;
+}
+
+std::vector<SampledToken> GpuModelRunner::execute_sampled(const StepPlan& plan, std::span<const SampleRow> rows) {
+  apply(plan.ops);
+  const StepInputs in = step_inputs(plan, cache_.plan().block_size);
+  std::vector<SampledToken> out;
+  if (!in.steps.empty()) model_.forward_sampled(StepBatch{pool_, &cache_.plan(), in.steps}, rows, out);
+  return out;
 }
 
 std::unique_ptr<GpuBackend> GpuBackend::attach(const Model& host, EngineConfig& cfg, double utilization,

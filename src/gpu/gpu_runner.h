@@ -19,6 +19,8 @@ class GpuModelRunner : public StepExecutor {
   GpuModelRunner(GpuModel& model, CacheManager& cache, uint8_t* pool) : model_(model), cache_(cache), pool_(pool) {}
   void apply(std::span<const RowOp> ops) override;
   const std::vector<float>& execute(const StepPlan& plan) override;
+  bool samples(const SamplingParams& p) const override;
+  std::vector<SampledToken> execute_sampled(const StepPlan& plan, std::span<const SampleRow> rows) override;
   uint8_t* pool() const { return pool_; }
 
  private:

@@ -334,6 +334,50 @@ TEST_P(GpuEngine, TokensWithoutKeptLogitsMatchCpu) {
               static_cast<long long>(agree), 8 * prompts.size());
 }
 
+// Sampling on the GPU against sampling the same logits on the host: the same tokens (the kernel's choice differs
+// only when the uniform lands within ~1e-13 of a boundary: kernels/cuda/sampling.h) and log-probabilities within
+// fp32 rounding, for every sampling option; a request with kept logits makes its steps sample on the host.
+TEST_P(GpuEngine, GpuSamplingMatchesHostSampling) {
+  const Model& m = host_model(GetParam(), true);
+  const int64_t V = m.config().vocab_size;
+  std::vector<SamplingParams> params;
+  auto add = [&](auto&& f) {
+    SamplingParams p;
+    p.max_tokens = 10;
+    p.ignore_eos = true;
+    p.seed = 7 + params.size();
+    f(p);
+    params.push_back(p);
+  };
+  add([](SamplingParams&) {});
+  add([](SamplingParams& p) { p.temperature = 0.8f, p.top_p = 0.9f; });
+  add([](SamplingParams& p) { p.temperature = 1.0f, p.top_k = 20, p.min_p = 0.02f; });
+  add([](SamplingParams& p) { p.temperature = 0.9f, p.presence_penalty = 0.4f, p.repetition_penalty = 1.2f; });
+  add([](SamplingParams& p) { p.temperature = 1.0f, p.logprobs = 5; });
+  std::vector<RequestOutput> out[2];
+  for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
+    EngineConfig cfg = engine_config();
+    auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, nullptr);
+    gpu->model().set_gpu_sampling(on_gpu == 1);
+    Engine e(m, cfg);
+    for (size_t i = 0; i < params.size(); ++i) e.add_request(random_prompt(40 + 9 * static_cast<int>(i), 50 + i, V), params[i]);
+    out[on_gpu] = e.run_to_completion();
+  }
+  ASSERT_EQ(out[0].size(), out[1].size());
+  for (size_t i = 0; i < out[0].size(); ++i) {
+    const Completion& a = out[0][i].completions.at(0);
+    const Completion& b = out[1][i].completions.at(0);
+    EXPECT_EQ(a.token_ids, b.token_ids) << "request " << i;
+    ASSERT_EQ(a.logprobs.size(), b.logprobs.size());
+    for (size_t t = 0; t < a.logprobs.size(); ++t) {
+      EXPECT_EQ(a.logprobs[t].token, b.logprobs[t].token);
+      EXPECT_NEAR(a.logprobs[t].logprob, b.logprobs[t].logprob, 1e-5f * (1 + std::fabs(a.logprobs[t].logprob)));
+      ASSERT_EQ(a.logprobs[t].top.size(), b.logprobs[t].top.size());
+      for (size_t k = 0; k < a.logprobs[t].top.size(); ++k) EXPECT_EQ(a.logprobs[t].top[k].first, b.logprobs[t].top[k].first);
+    }
+  }
+}
+
 TEST_P(GpuEngine, RecurrentKdaMatchesCpu) {
   const Model& m = host_model(GetParam(), false);
   const Model& exact = host_model(GetParam(), false, false);
