@@ -140,30 +140,18 @@ ModelConfig small_k3() {
 }
 
 // kimi_linear at Kimi-Linear-48B's per-layer widths (KDA 32 heads of 128, MLA 32 heads, latent 512 + 64, bf16
-// weights), with fewer layers and experts: what the GPU path's fast kernels run on.
+// weights, no indexer), with small_k3's layers, experts and vocabulary: what the GPU path's fast kernels run on.
 ModelConfig small_kimi_linear() {
-  ModelConfig c = kimi_base(Arch::kimi_linear);
-  c.vocab_size = 4096;
-  c.hidden_size = 1024;
-  c.num_hidden_layers = 4;
-  set_layers(c, {4});
-  c.intermediate_size = 2048;
+  ModelConfig c = small_k3();
+  c.arch = Arch::kimi_linear;
+  c.architecture = "KimiLinearForCausalLM";
   c.num_attention_heads = 32;
   c.q_lora_rank = 0;
-  c.kv_lora_rank = 512;
-  c.qk_nope_head_dim = 128;
-  c.qk_rope_head_dim = 64;
-  c.v_head_dim = 128;
+  c.has_indexer = false;
+  c.index_n_heads = c.index_head_dim = c.index_topk = 0;
   c.kda_num_heads = 32;
-  c.kda_head_dim = 128;
-  c.n_routed_experts = 16;
-  c.num_experts_per_tok = 4;
-  c.moe_intermediate_size = 256;
-  c.n_shared_experts = 1;
-  c.routed_scaling_factor = 2.446f;
-  c.max_position_embeddings = 1048576;
-  c.bos_token_id = kTinyBosId;
-  c.eos_token_id = kTinyEosId;
+  c.kda_gate_lower_bound.reset();
+  c.weight_quant = WeightQuant::none;
   return c;
 }
 

@@ -105,6 +105,16 @@ Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, int max_
   return r;
 }
 
+// The largest |a - b| over a row of logits, divided by the reference row's largest |logit|.
+float row_error(const float* a, const float* ref, int64_t V) {
+  float err = 0.0f, scale = 0.0f;
+  for (int64_t v = 0; v < V; ++v) {
+    err = std::max(err, std::fabs(a[v] - ref[v]));
+    scale = std::max(scale, std::fabs(ref[v]));
+  }
+  return err / scale;
+}
+
 // How far a GPU completion is from the plain fp32 reference: the median and largest error / row scale over the
 // positions both computed with the same inputs, and how many greedy tokens agree. Printed, not asserted.
 void report_vs_fp32(const Model& exact, const std::vector<int32_t>& prompt, const Completion& got, int max_tokens,
@@ -117,14 +127,7 @@ void report_vs_fp32(const Model& exact, const std::vector<int32_t>& prompt, cons
     ++same;
   std::vector<float> ratios;
   for (int64_t p = got.logits_first; p <= std::min<int64_t>(P - 1 + same, P + max_tokens - 2); ++p) {
-    const float* a = got.logits.data() + (p - got.logits_first) * V;
-    const float* b = ref.logits.data() + p * V;
-    float err = 0.0f, scale = 0.0f;
-    for (int64_t v = 0; v < V; ++v) {
-      err = std::max(err, std::fabs(a[v] - b[v]));
-      scale = std::max(scale, std::fabs(b[v]));
-    }
-    ratios.push_back(err / scale);
+    ratios.push_back(row_error(got.logits.data() + (p - got.logits_first) * V, ref.logits.data() + p * V, V));
   }
   std::sort(ratios.begin(), ratios.end());
   std::printf("[ %s ] against plain fp32: %lld/%zu greedy tokens agree; logit error / row max: median %.3g, max %.3g "
@@ -171,14 +174,7 @@ std::vector<float> compare(const Model& m, const std::vector<int32_t>& prompt, c
   std::vector<float> ratios;
   const int64_t last_row = std::min<int64_t>(P - 1 + same, P + max_tokens - 2);
   for (int64_t p = got.logits_first; p <= last_row; ++p) {
-    const float* a = got.logits.data() + (p - got.logits_first) * V;
-    const float* b = ref.logits.data() + p * V;
-    float err = 0.0f, scale = 0.0f;
-    for (int64_t v = 0; v < V; ++v) {
-      err = std::max(err, std::fabs(a[v] - b[v]));
-      scale = std::max(scale, std::fabs(b[v]));
-    }
-    ratios.push_back(err / scale);
+    ratios.push_back(row_error(got.logits.data() + (p - got.logits_first) * V, ref.logits.data() + p * V, V));
   }
   std::vector<float> sorted = ratios;
   std::sort(sorted.begin(), sorted.end());
@@ -292,12 +288,7 @@ TEST_P(GpuEngine, CudaGraphsMatchDirectLaunches) {
   for (size_t i = 0; i < logits[0].size(); ++i) {
     ASSERT_EQ(logits[0][i].size(), logits[1][i].size());
     for (size_t row = 0; row < logits[0][i].size() / V; ++row) {
-      float err = 0.0f, scale = 0.0f;
-      for (int64_t v = 0; v < V; ++v) {
-        err = std::max(err, std::fabs(logits[0][i][row * V + v] - logits[1][i][row * V + v]));
-        scale = std::max(scale, std::fabs(logits[0][i][row * V + v]));
-      }
-      worst = std::max(worst, err / scale);
+      worst = std::max(worst, row_error(logits[1][i].data() + row * V, logits[0][i].data() + row * V, V));
     }
   }
   EXPECT_LE(worst, kLogitBound);
