@@ -166,14 +166,17 @@ void Engine::fork(Sequence& parent, const float* logits, StepOutput& out) {
 }
 
 bool Engine::samples_on_executor(const StepPlan& plan) const {
+  bool any = false;
   for (const ScheduledSequence& x : plan.seqs) {
     const Sequence& s = *x.seq;
     if (s.request->keep_logits) return false;
     if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;  // samples nothing this step
     if (s.index == 0 && !s.request->forked && s.request->params.n > 1) return false;
     if (!runner_->samples(s.request->params)) return false;
+    any = true;
   }
-  return true;
+  // A step that samples nothing (prompt chunks, recomputed tokens) runs as any other.
+  return any;
 }
 
 StepOutput Engine::step() {
