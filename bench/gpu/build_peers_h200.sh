@@ -18,7 +18,8 @@
 #
 # Usage: bench/gpu/build_peers_h200.sh [log-dir]     (log dir default $OUT, else ./out-gpu)
 #   KESTREL_PEERS_BUILD: the build folder (default build-peers/ in the repository: git-ignored and not carried, so
-#   a warm device machine keeps it between calls; a peer whose COMMIT matches a finished build there is reused).
+#   a warm device machine keeps it between calls; a peer whose COMMIT matches a finished build there is reused, an
+#   unfinished one of the same commit carries on).
 # Writes build-flashmla.log, build-deepgemm.log and peers-import.log to the log dir and one line per peer,
 # `peer-build <peer> ok|failed|reused ...`. Never fails the calling script: exits 0 whatever happened.
 set -uo pipefail
@@ -51,33 +52,40 @@ built_module() {
 }
 
 # stage PEER: copies .peers/PEER-src to the build folder and links its CUTLASS in (unpacked once per commit).
-# Returns 2 when a finished build of the same commit is already there, 1 on an error.
+# Returns 2 when a finished build of the same commit is already there, 1 on an error. An unfinished build of the
+# same commit (one that ran out of time) is kept, so that ninja carries on where it stopped.
 stage() {
-  local peer=$1 src=$SRC/$1-src dst=$WORK/$1 cut
+  local peer=$1 src=$SRC/$1-src dst=$WORK/$1 cut sha
   if [ ! -f "$src/COMMIT" ] || [ ! -f "$src/CUTLASS_COMMIT" ]; then
     echo "no $src (run bench/gpu/make_peers.sh here and carry .peers)"
     return 1
   fi
-  if [ -f "$dst/COMMIT" ] && cmp -s "$src/COMMIT" "$dst/COMMIT" && [ -n "$(built_module "$peer")" ]; then
-    return 2
+  if [ -f "$dst/COMMIT" ] && cmp -s "$src/COMMIT" "$dst/COMMIT"; then
+    [ -n "$(built_module "$peer")" ] && return 2
+    echo "resuming the unfinished build in $dst"
+    return 0
   fi
-  cut=$WORK/cutlass/$(cat "$src/CUTLASS_COMMIT")
+  sha=$(cat "$src/CUTLASS_COMMIT")
+  cut=$WORK/cutlass/$sha
   if [ ! -f "$cut/.unpacked" ]; then
     rm -rf "$cut"
     mkdir -p "$cut"
-    tar -xzf "$SRC/cutlass/$(cat "$src/CUTLASS_COMMIT").tar.gz" -C "$cut" || return 1
+    tar -xzf "$SRC/cutlass/$sha.tar.gz" -C "$cut" || return 1
     touch "$cut/.unpacked"
   fi
   rm -rf "$dst"
   cp -a "$src" "$dst" || return 1
+  rm -f "$dst/COMMIT"  # written back last: its presence marks a complete staging
+  # Relative links, so that the build folder still works if the repository sits elsewhere in a later call.
   case $peer in
-    flashmla) ln -sfn "$cut" "$dst/csrc/cutlass" ;;
+    flashmla) ln -sfn "../../cutlass/$sha" "$dst/csrc/cutlass" ;;
     deepgemm)
-      ln -sfn "$cut" "$dst/third-party/cutlass"
-      ln -sfn "$cut/include/cute" "$dst/deep_gemm/include/cute"
-      ln -sfn "$cut/include/cutlass" "$dst/deep_gemm/include/cutlass"
+      ln -sfn "../../cutlass/$sha" "$dst/third-party/cutlass"
+      ln -sfn "../../../cutlass/$sha/include/cute" "$dst/deep_gemm/include/cute"
+      ln -sfn "../../../cutlass/$sha/include/cutlass" "$dst/deep_gemm/include/cutlass"
       ;;
   esac
+  cp "$src/COMMIT" "$dst/COMMIT"
 }
 
 build_flashmla() {
@@ -146,7 +154,13 @@ for peer in flashmla deepgemm; do
   elif [ "${state[$peer]}" = built ] && [ "$rc" = 0 ] && [ -n "$module" ]; then
     echo "peer-build $peer ok commit=$(cat "$WORK/$peer/COMMIT") seconds=$((SECONDS - start_s)) module=$module"
   else
-    [ "$rc" = 124 ] && why="timed out after $CAP s" || why="exit $rc"
+    if [ "${state[$peer]}" = failed ]; then
+      why="source not staged"
+    elif [ "$rc" = 124 ]; then
+      why="timed out after $CAP s"
+    else
+      why="exit $rc"
+    fi
     echo "peer-build $peer failed ($why; build-$peer.log):"
     grep -E "error|Error|No such file" "$LOGS/build-$peer.log" | grep -v "^\s*$" | head -15 | sed 's/^/  /'
     tail -3 "$LOGS/build-$peer.log" | sed 's/^/  /'
