@@ -125,8 +125,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_tc_intra_kernel(KdaPrefillArg
   for (int i = tid; i < C * kLtPitch; i += kThreads) sLT[i] = 0.0f;
   for (int i = tid; i < C * kSqPitch / 2; i += kThreads) reinterpret_cast<uint32_t*>(sA)[i] = 0u;
 
-  // Log gates and beta, one warp per row, four channels per lane; zeros past the chunk's end.
-#pragma unroll 4
+  // Log gates and beta, one warp per row, four channels per lane; zeros past the chunk's end. Unrolled so that all
+  // of a warp's row loads are in flight together (the two blocks of an SM alternate loading and computing).
+#pragma unroll
   for (int r = warp; r < C; r += kWarps) {
     float4 g4 = make_float4(0, 0, 0, 0);
     float beta = 0.0f;
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_tc_intra_kernel(KdaPrefillArg
 
   // q and k rows (normalised when asked): the decayed rows the state pass reads, straight from fp32; k kept in
   // fp32 and q in bf16 for L and A.
-#pragma unroll 2
+#pragma unroll 4
   for (int r = warp; r < C; r += kWarps) {
     float4 q4 = make_float4(0, 0, 0, 0), k4 = q4;
     if (r < n) {
