@@ -14,6 +14,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_glue.h"
+#include "kernels/cuda/kda_tc.h"
 #include "kernels/cuda/linear_f32.h"
 #include "kernels/cuda/mla_decode.h"
 #include "kernels/cuda/mla_glue.h"
@@ -844,8 +845,13 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
         KESTREL_CHECK(pp.workspace_bytes(H) <= s.kda_ws_bytes &&
                           static_cast<size_t>(pp.num_checkpoints()) <= s.kda_checkpoint_states,
                       "the KDA prefill of this step needs more workspace than was set aside");
-        cuda::kda_prefill(pp, at_token(in, t0), H, d, d, pool_states, t.state_rows[g] + b0, s.o + t0 * P,
-                          pp.num_checkpoints() ? s.kda_checkpoints : nullptr, s.kda_ws, s.kda_ws_bytes, st);
+        float* checkpoints = pp.num_checkpoints() ? s.kda_checkpoints : nullptr;
+        if (tensor_core_kda_)
+          cuda::kda_prefill_tc(pp, at_token(in, t0), H, d, d, pool_states, t.state_rows[g] + b0, s.o + t0 * P,
+                               checkpoints, s.kda_ws, s.kda_ws_bytes, st);
+        else
+          cuda::kda_prefill(pp, at_token(in, t0), H, d, d, pool_states, t.state_rows[g] + b0, s.o + t0 * P,
+                            checkpoints, s.kda_ws, s.kda_ws_bytes, st);
         for (int j = b0; j < b1; ++j) {
           const SequenceStep& q = seqs[ord.seq[j]];
           const int64_t first_boundary = q.start / every + 1;  // the first multiple of `every` after start

@@ -78,6 +78,9 @@ class GpuModel {
   // sampling kernels have run on a GPU (bench/results/gpu_engine_h200.md); the engine then samples on the host.
   bool samples_on_gpu() const;
   void set_gpu_sampling(bool on) { sampling_ = on; }
+  // Prompts' KDA through the tensor-core chunked prefill (kernels/cuda/kda_tc.h, bf16 products) instead of the fp32
+  // one. Off by default until that kernel has run on a GPU.
+  void set_tensor_core_kda_prefill(bool on) { tensor_core_kda_ = on; }
 
  private:
   // One MLA layer over the step (x_bf -> y) and one FFN or MoE (h -> post-norm -> y): parts of forward().
@@ -103,6 +106,7 @@ class GpuModel {
   std::map<std::tuple<int, uint8_t*, int64_t>, cudaGraphExec_t> graphs_by_size_;  // (S, pool, block-table width)
   bool profiling_ = false;
   bool sampling_ = false;
+  bool tensor_core_kda_ = false;
   StepTimes times_;
   std::vector<cudaEvent_t> events_;  // profiling: begin, end, and three per layer
   void mark(size_t i);

@@ -369,6 +369,30 @@ TEST_P(GpuEngine, GpuSamplingMatchesHostSampling) {
   }
 }
 
+// The tensor-core KDA prefill (bf16 products, its own 1e-2 bound against the fp32 reference: kda_prefill_tc_test)
+// through the whole model: the same typical-position bounds as the fp32 kernel's run.
+TEST_P(GpuEngine, TensorCoreKdaPrefillMatchesCpu) {
+  const Model& m = host_model(GetParam(), true);
+  if (m.config().kda_head_dim != 128) GTEST_SKIP() << "the fast KDA kernels take dk = 128 only";
+  const int64_t V = m.config().vocab_size;
+  const std::vector<std::vector<int32_t>> prompts = {random_prompt(200, 61, V), random_prompt(70, 62, V)};
+  EngineConfig cfg = engine_config();
+  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, nullptr);
+  gpu->model().set_tensor_core_kda_prefill(true);
+  Engine e(m, cfg);
+  SamplingParams sp;
+  sp.max_tokens = 4;
+  sp.ignore_eos = true;
+  for (const auto& p : prompts) e.add_request(p, sp, 0, true);
+  const std::vector<RequestOutput> done = e.run_to_completion();
+  std::vector<float> all;
+  for (size_t i = 0; i < done.size(); ++i) {
+    const std::vector<float> r = compare(m, prompts[i], done[i].completions.at(0), 4, "tensor-core KDA request " + std::to_string(i));
+    all.insert(all.end(), r.begin(), r.end());
+  }
+  expect_typical(all, typical_bounds(GetParam()), std::string(GetParam().preset) + " tensor-core KDA prefill");
+}
+
 TEST_P(GpuEngine, RecurrentKdaMatchesCpu) {
   const Model& m = host_model(GetParam(), false);
   const Model& exact = host_model(GetParam(), false, false);
