@@ -3,8 +3,10 @@
 // sampling against the softmax with a stated bound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
 
 #include "core/error.h"
 #include "engine/sampler.h"
@@ -22,6 +24,23 @@ TEST(Sampler, GreedyTakesTheLowestIdAmongTies) {
   const std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f};
   Sampler s(params(), {});
   EXPECT_EQ(s.sample(logits.data(), 4), 1);
+}
+
+// The greedy token is std::max_element's (the first largest logit) on random rows of every length, with many
+// ties, signed zeros, and NaNs in the middle or first (where max_element keeps the NaN's position).
+TEST(Sampler, GreedyIsTheFirstLargestLikeMaxElement) {
+  std::mt19937 rng(9);
+  SamplingParams p;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int64_t V = 1 + static_cast<int64_t>(rng() % 300);
+    std::vector<float> row(static_cast<size_t>(V));
+    for (float& x : row) x = static_cast<float>(static_cast<int>(rng() % 7) - 3);  // few values: many ties
+    if (trial % 5 == 1) row[rng() % V] = -0.0f, row[rng() % V] = 0.0f;
+    if (trial % 7 == 2) row[rng() % V] = std::nanf("");
+    if (trial % 11 == 3) row[0] = std::nanf("");
+    const int32_t want = static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+    EXPECT_EQ(sample_token(p, row.data(), V, 0.0, {}, nullptr), want) << "trial " << trial;
+  }
 }
 
 TEST(Sampler, TopKOneAndTinyTopPAreGreedy) {
