@@ -8,7 +8,9 @@ namespace kestrel {
 
 CacheManager::CacheManager(const CachePlan& plan, int32_t num_rows, bool prefix_caching, bool host_rows)
     : plan_(plan),
-      prefix_caching_(prefix_caching),
+      // Prefix caching reuses token rows; a model without attention layers has none (and its KDA checkpoints would
+      // have no blocks to hang on), so it runs without.
+      prefix_caching_(prefix_caching && plan.num_token_layers > 0),
       pool_(num_rows, plan.row_bytes, host_rows),
       prefix_(pool_, plan.block_size, plan.state_rows_per_request) {}
 

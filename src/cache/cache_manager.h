@@ -29,7 +29,8 @@ struct RowOp {
 class CacheManager {
  public:
   // checkpoint_rows of a checkpoint = the plan's state rows per request.
-  // host_rows false: the rows' bytes live on a GPU (RowPool without host storage).
+  // host_rows false: the rows' bytes live on a GPU (RowPool without host storage). prefix_caching is ignored for a
+  // plan without token rows.
   CacheManager(const CachePlan& plan, int32_t num_rows, bool prefix_caching, bool host_rows = true);
   CacheManager(const CacheManager&) = delete;
   CacheManager& operator=(const CacheManager&) = delete;

@@ -62,10 +62,7 @@ CachePlan engine_plan(const Model& model, const EngineConfig& cfg) { return plan
 Engine::Engine(const Model& model, const EngineConfig& cfg)
     : model_(model),
       cfg_(cfg),
-      // Prefix caching reuses token rows; a model without attention layers has none (and its KDA checkpoints would
-      // have no blocks to hang on), so it runs without.
-      cache_(plan_for(model, cfg), pool_rows(plan_for(model, cfg), cfg),
-             cfg.enable_prefix_caching && plan_for(model, cfg).num_token_layers > 0,
+      cache_(plan_for(model, cfg), pool_rows(plan_for(model, cfg), cfg), cfg.enable_prefix_caching,
              !cfg.executor || cfg.executor_on_host_pool),
       max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),

@@ -26,32 +26,37 @@ detail::KdaTokenArgs token_args(const char* fn, const KdaInputs& in, int H, int 
   KESTREL_CHECK(aligned16(in.q) && aligned16(in.k) && aligned16(in.v) && aligned16(in.gate) &&
                     aligned16(state_pool) && aligned16(o),
                 "{}: q, k, v, gate, state_pool and o must be 16-byte aligned", fn);
+  const int64_t state_size = int64_t{H} * dk * dv;
+  const detail::KdaTokenArgs args = detail::flatten_inputs(fn, in, state_size);
+  KESTREL_CHECK(in.state_stride == 0 || (in.state_stride >= state_size && in.state_stride % 4 == 0),
+                "{}: state_stride {} must be 0 or a multiple of 4 of at least H*dk*dv = {}", fn, in.state_stride,
+                state_size);
+  return args;
+}
+
+}  // namespace
+
+detail::KdaTokenArgs detail::flatten_inputs(const char* fn, const KdaInputs& in, int64_t state_size) {
   KESTREL_CHECK((in.A_log == nullptr) == (in.dt_bias == nullptr),
                 "{}: the fused gate needs both A_log and dt_bias (or neither)", fn);
   KESTREL_CHECK(!in.gate_lower_bound || in.A_log, "{}: gate_lower_bound only applies to the fused gate", fn);
   KESTREL_CHECK(!in.gate_lower_bound || (std::isfinite(*in.gate_lower_bound) && *in.gate_lower_bound < 0.0f),
                 "{}: gate lower bound must be negative, got {}", fn, in.gate_lower_bound.value_or(0.0f));
   KESTREL_CHECK(std::isfinite(in.scale), "{}: scale must be finite, got {}", fn, in.scale);
-  const int64_t state_size = int64_t{H} * dk * dv;
-  KESTREL_CHECK(in.state_stride == 0 || (in.state_stride >= state_size && in.state_stride % 4 == 0),
-                "{}: state_stride {} must be 0 or a multiple of 4 of at least H*dk*dv = {}", fn, in.state_stride,
-                state_size);
-  return detail::KdaTokenArgs{in.q,
-                              in.k,
-                              in.v,
-                              in.gate,
-                              in.beta,
-                              in.A_log,
-                              in.dt_bias,
-                              in.gate_lower_bound.value_or(0.0f),
-                              in.gate_lower_bound.has_value(),
-                              in.beta_is_logit,
-                              in.normalize_qk,
-                              in.scale,
-                              in.state_stride ? in.state_stride : state_size};
+  return KdaTokenArgs{in.q,
+                      in.k,
+                      in.v,
+                      in.gate,
+                      in.beta,
+                      in.A_log,
+                      in.dt_bias,
+                      in.gate_lower_bound.value_or(0.0f),
+                      in.gate_lower_bound.has_value(),
+                      in.beta_is_logit,
+                      in.normalize_qk,
+                      in.scale,
+                      in.state_stride ? in.state_stride : state_size};
 }
-
-}  // namespace
 
 void kda_decode(const KdaInputs& in, int N, int H, int dk, int dv, float* state_pool, const int32_t* slots, float* o,
                 cudaStream_t stream) {

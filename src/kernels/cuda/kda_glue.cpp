@@ -46,28 +46,10 @@ void kda_recurrent_varlen(const KdaInputs& in, const int64_t* cu_seqlens, int B,
                 "{}: dk={} and dv={} must be in [1, {}]", fn, dk, dv, kKdaRecurrentMaxDim);
   KESTREL_CHECK(in.q && in.k && in.v && in.gate && in.beta && cu_seqlens && state_pool && slots && o,
                 "{}: q, k, v, gate, beta, cu_seqlens, state_pool, slots and o must all be set", fn);
-  KESTREL_CHECK((in.A_log == nullptr) == (in.dt_bias == nullptr),
-                "{}: the fused gate needs both A_log and dt_bias (or neither)", fn);
-  KESTREL_CHECK(!in.gate_lower_bound || in.A_log, "{}: gate_lower_bound only applies to the fused gate", fn);
-  KESTREL_CHECK(!in.gate_lower_bound || (std::isfinite(*in.gate_lower_bound) && *in.gate_lower_bound < 0.0f),
-                "{}: gate lower bound must be negative, got {}", fn, in.gate_lower_bound.value_or(0.0f));
-  KESTREL_CHECK(std::isfinite(in.scale), "{}: scale must be finite, got {}", fn, in.scale);
   const int64_t state_size = int64_t{H} * dk * dv;
+  const detail::KdaTokenArgs args = detail::flatten_inputs(fn, in, state_size);
   KESTREL_CHECK(in.state_stride == 0 || in.state_stride >= state_size,
                 "{}: state_stride {} must be 0 or at least H*dk*dv = {}", fn, in.state_stride, state_size);
-  const detail::KdaTokenArgs args{in.q,
-                                  in.k,
-                                  in.v,
-                                  in.gate,
-                                  in.beta,
-                                  in.A_log,
-                                  in.dt_bias,
-                                  in.gate_lower_bound.value_or(0.0f),
-                                  in.gate_lower_bound.has_value(),
-                                  in.beta_is_logit,
-                                  in.normalize_qk,
-                                  in.scale,
-                                  in.state_stride ? in.state_stride : state_size};
   KESTREL_CUDA_CHECK(detail::launch_kda_recurrent_varlen(args, cu_seqlens, B, H, dk, dv, state_pool, slots, o, s));
 }
 

@@ -39,6 +39,10 @@ struct KdaTokenArgs {
   int64_t state_stride;  // floats between slots' states
 };
 
+// Checks what every KDA entry point requires of KdaInputs' gate and scale (Error naming `fn`) and flattens them;
+// a state_stride of 0 becomes state_size. Each entry point checks its own sizes, pointers and stride.
+KdaTokenArgs flatten_inputs(const char* fn, const KdaInputs& in, int64_t state_size);
+
 cudaError_t launch_kda_decode(const KdaTokenArgs& in, int N, int H, float* state_pool, const int32_t* slots,
                               float* o, cudaStream_t stream);
 

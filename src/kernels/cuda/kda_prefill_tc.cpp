@@ -21,7 +21,7 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 size_t chunks_bytes(const KdaPrefillPlan& plan) { return plan.chunks().size() * sizeof(KdaPrefillPlan::Chunk); }
 size_t seqs_bytes(const KdaPrefillPlan& plan) { return plan.seqs().size() * sizeof(KdaPrefillPlan::Seq); }
 
-// The argument checks of kda_prefill (kda.cpp), for this entry point.
+// The argument checks of kda_prefill (kda.cpp), for this entry point; the gate and scale through flatten_inputs.
 detail::KdaTokenArgs checked_token_args(const KdaInputs& in, int H, int dk, int dv, const float* state_pool,
                                         const int32_t* slots, const float* o) {
   constexpr const char* fn = "kda_prefill_tc";
@@ -33,29 +33,12 @@ detail::KdaTokenArgs checked_token_args(const KdaInputs& in, int H, int dk, int 
   KESTREL_CHECK(aligned16(in.q) && aligned16(in.k) && aligned16(in.v) && aligned16(in.gate) &&
                     aligned16(state_pool) && aligned16(o),
                 "{}: q, k, v, gate, state_pool and o must be 16-byte aligned", fn);
-  KESTREL_CHECK((in.A_log == nullptr) == (in.dt_bias == nullptr),
-                "{}: the fused gate needs both A_log and dt_bias (or neither)", fn);
-  KESTREL_CHECK(!in.gate_lower_bound || in.A_log, "{}: gate_lower_bound only applies to the fused gate", fn);
-  KESTREL_CHECK(!in.gate_lower_bound || (std::isfinite(*in.gate_lower_bound) && *in.gate_lower_bound < 0.0f),
-                "{}: gate lower bound must be negative, got {}", fn, in.gate_lower_bound.value_or(0.0f));
-  KESTREL_CHECK(std::isfinite(in.scale), "{}: scale must be finite, got {}", fn, in.scale);
   const int64_t state_size = int64_t{H} * dk * dv;
+  const detail::KdaTokenArgs args = detail::flatten_inputs(fn, in, state_size);
   KESTREL_CHECK(in.state_stride == 0 || (in.state_stride >= state_size && in.state_stride % 4 == 0),
                 "{}: state_stride {} must be 0 or a multiple of 4 of at least H*dk*dv = {}", fn, in.state_stride,
                 state_size);
-  return detail::KdaTokenArgs{in.q,
-                              in.k,
-                              in.v,
-                              in.gate,
-                              in.beta,
-                              in.A_log,
-                              in.dt_bias,
-                              in.gate_lower_bound.value_or(0.0f),
-                              in.gate_lower_bound.has_value(),
-                              in.beta_is_logit,
-                              in.normalize_qk,
-                              in.scale,
-                              in.state_stride ? in.state_stride : state_size};
+  return args;
 }
 
 }  // namespace
