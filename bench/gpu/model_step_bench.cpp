@@ -1,7 +1,7 @@
 // A whole decode step of the GPU engine against the step roofline (../shared/bench/BENCHMARKING.md: [dense weights +
 // MoE bytes touched + KV/state bytes] / 4.27 TB/s). Makes the `small` kimi_linear model, fills B sequences with an
 // L-token prompt each through the engine, then times Engine::step() on steps where every sequence generates one
-// token: with CUDA graphs (one per batch size, the default) and without. The time per step is the time per output
+// token: with CUDA graphs (one per batch size, the default) and without, and with graphs and sampling on the GPU. The time per step is the time per output
 // token of each sequence (what a user sees: scheduling, tables, kernels, logits copy and sampling included).
 //
 // Usage: model_step_bench [--batches 1,64] [--contexts 1024,8192] [--steps 32] [--preset small]
@@ -87,8 +87,8 @@ int main(int argc, char** argv) {
   const ModelConfig& c = model->config();
   std::printf("model: kimi_linear %s (hidden %lld, %d layers, vocab %lld)\n", preset.c_str(),
               static_cast<long long>(c.hidden_size), c.num_hidden_layers, static_cast<long long>(c.vocab_size));
-  std::printf("%6s %7s %12s %12s %12s %10s %10s\n", "batch", "context", "step_ms", "no_graph_ms", "roofline_ms",
-              "x_roof", "tok/s");
+  std::printf("%6s %7s %12s %12s %12s %12s %10s %10s\n", "batch", "context", "step_ms", "no_graph_ms",
+              "gpu_samp_ms", "roofline_ms", "x_roof", "tok/s");
   std::mt19937 rng(5);
   for (int L : contexts)
     for (int B : batches) {
@@ -128,9 +128,13 @@ int main(int argc, char** argv) {
       };
       const double no_graph = time_steps(false);
       const double graph = time_steps(true);
+      // The same with sampling on the GPU (token ids copied back instead of logits), graphs on.
+      gpu->model().set_gpu_sampling(true);
+      const double gpu_sampled = time_steps(true);
+      gpu->model().set_gpu_sampling(false);
       const double roof = step_bytes(c, B, L) / kBandwidth * 1e3;
-      std::printf("%6d %7d %12.4f %12.4f %12.4f %10.2f %10.0f\n", B, L, graph, no_graph, roof, graph / roof,
-                  B / graph * 1e3);
+      std::printf("%6d %7d %12.4f %12.4f %12.4f %12.4f %10.2f %10.0f\n", B, L, graph, no_graph, gpu_sampled, roof,
+                  std::min(graph, gpu_sampled) / roof, B / std::min(graph, gpu_sampled) * 1e3);
       // Where the time goes: medians over a few steps of the host's preparation, the GPU's kernels (per layer
       // without a graph), the logits' copy, and the rest of Engine::step (scheduling, sampling).
       for (bool graphs : {true, false}) {
