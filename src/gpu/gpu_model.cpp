@@ -981,7 +981,8 @@ void GpuModel::forward_sampled(const StepBatch& batch, std::span<const SampleRow
   a.top_logprobs = s.sampled_top_logprobs;
   a.max_top_logprobs = std::min(max_top, cuda::kMaxSampleTopLogprobs);
   cuda::sample_rows(a, s.sample_ws, s.sample_ws_bytes, st);
-  const size_t n = rows.size(), K = cuda::kMaxSampleTopLogprobs;
+  // The kernel writes each row's alternatives at a stride of a.max_top_logprobs (not kMaxSampleTopLogprobs).
+  const size_t n = rows.size(), K = static_cast<size_t>(a.max_top_logprobs);
   std::vector<int32_t> tok(n), top_ids(n * K);
   std::vector<float> lp(n), top_lp(n * K);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(tok.data(), s.sampled_tokens, n * sizeof(int32_t), cudaMemcpyDeviceToHost, st));

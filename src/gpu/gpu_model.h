@@ -74,12 +74,13 @@ class GpuModel {
   // copying the logits back: only the tokens (and asked-for log-probabilities) come to the host. Needs every wanted
   // row to be sampled once (no kept logits). Synchronous.
   void forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out);
-  // Whether steps may sample on the GPU (a vocabulary the kernel takes, and switched on). Off by default until the
-  // sampling kernels have run on a GPU (bench/results/gpu_engine_h200.md); the engine then samples on the host.
+  // Whether steps may sample on the GPU (a vocabulary the kernel takes, and switched on: the default; off, the engine
+  // samples on the host from copied logits).
   bool samples_on_gpu() const;
   void set_gpu_sampling(bool on) { sampling_ = on; }
-  // Prompts' KDA through the tensor-core chunked prefill (kernels/cuda/kda_tc.h, bf16 products) instead of the fp32
-  // one. Off by default until that kernel has run on a GPU.
+  // Prompts' KDA through the tensor-core chunked prefill (kernels/cuda/kda_tc.h, bf16 products; the default, 2.6x
+  // faster on an H200: bench/results/gpu_engine_h200.md) or, off, the fp32 one (reference-quality, used by the tests
+  // that hold the GPU to the tightest bound).
   void set_tensor_core_kda_prefill(bool on) { tensor_core_kda_ = on; }
 
  private:
@@ -105,8 +106,8 @@ class GpuModel {
   bool graphs_ = true;
   std::map<std::tuple<int, uint8_t*, int64_t>, cudaGraphExec_t> graphs_by_size_;  // (S, pool, block-table width)
   bool profiling_ = false;
-  bool sampling_ = false;
-  bool tensor_core_kda_ = false;
+  bool sampling_ = true;
+  bool tensor_core_kda_ = true;
   StepTimes times_;
   std::vector<cudaEvent_t> events_;  // profiling: begin, end, and three per layer
   void mark(size_t i);

@@ -224,10 +224,18 @@ EngineConfig engine_config() {
   return cfg;
 }
 
+// Attaches the GPU with prompts' KDA on the fp32 chunked kernel (reference quality), for the tests held to the
+// tightest bound; the tensor-core kernel (the default) has its own test below.
+std::unique_ptr<gpu::GpuBackend> attach_fp32_kda(const Model& m, EngineConfig& cfg, double util, FILE* log) {
+  auto gpu = gpu::GpuBackend::attach(m, cfg, util, log);
+  gpu->model().set_tensor_core_kda_prefill(false);
+  return gpu;
+}
+
 void run_and_compare(const Case& c, const Model& m, const Model& exact,
                      const std::vector<std::vector<int32_t>>& prompts, int max_tokens, const std::string& what) {
   EngineConfig cfg = engine_config();
-  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, stderr);
+  auto gpu = attach_fp32_kda(m, cfg, 0.1, stderr);
   Engine e(m, cfg);
   SamplingParams sp;
   sp.max_tokens = max_tokens;
@@ -273,7 +281,7 @@ TEST_P(GpuEngine, CudaGraphsMatchDirectLaunches) {
   std::vector<std::vector<float>> logits[2];
   for (int graphs = 0; graphs < 2; ++graphs) {
     EngineConfig cfg = engine_config();
-    auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, nullptr);
+    auto gpu = attach_fp32_kda(m, cfg, 0.1, nullptr);
     gpu->model().set_cuda_graphs(graphs == 1);
     Engine e(m, cfg);
     SamplingParams sp;
@@ -281,7 +289,9 @@ TEST_P(GpuEngine, CudaGraphsMatchDirectLaunches) {
     sp.ignore_eos = true;
     for (const auto& p : prompts) e.add_request(p, sp, 0, true);
     for (const RequestOutput& r : e.run_to_completion()) logits[graphs].push_back(r.completions.at(0).logits);
-    if (graphs == 1) EXPECT_GT(gpu->model().num_cuda_graphs(), 0u);
+    if (graphs == 1) {
+      EXPECT_GT(gpu->model().num_cuda_graphs(), 0u);
+    }
   }
   ASSERT_EQ(logits[0].size(), logits[1].size());
   float worst = 0.0f;
@@ -303,7 +313,7 @@ TEST_P(GpuEngine, TokensWithoutKeptLogitsMatchCpu) {
   const std::vector<std::vector<int32_t>> prompts = {random_prompt(180, 31, V), random_prompt(9, 32, V),
                                                      random_prompt(64, 33, V)};
   EngineConfig cfg = engine_config();
-  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, nullptr);
+  auto gpu = attach_fp32_kda(m, cfg, 0.1, nullptr);
   Engine e(m, cfg);
   SamplingParams sp;
   sp.max_tokens = 8;
@@ -348,7 +358,7 @@ TEST_P(GpuEngine, GpuSamplingMatchesHostSampling) {
   std::vector<RequestOutput> out[2];
   for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
     EngineConfig cfg = engine_config();
-    auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, nullptr);
+    auto gpu = attach_fp32_kda(m, cfg, 0.1, nullptr);
     gpu->model().set_gpu_sampling(on_gpu == 1);
     Engine e(m, cfg);
     for (size_t i = 0; i < params.size(); ++i) e.add_request(random_prompt(40 + 9 * static_cast<int>(i), 50 + i, V), params[i]);
@@ -369,8 +379,10 @@ TEST_P(GpuEngine, GpuSamplingMatchesHostSampling) {
   }
 }
 
-// The tensor-core KDA prefill (bf16 products, its own 1e-2 bound against the fp32 reference: kda_prefill_tc_test)
-// through the whole model: the same typical-position bounds as the fp32 kernel's run.
+// The tensor-core KDA prefill (the default; bf16 products, its own 1e-2 bound against the fp32 reference:
+// kda_prefill_tc_test) through the whole model. Its bf16 intra-chunk products add about as much error as the bf16
+// linear layers do (H200: median 1.1e-2, 90th percentile 2.7e-2 to 5.6e-2 against the fp32 kernel's 5e-3 and
+// 7e-3), so its stated bound is twice the fp32 kernel's; greedy tokens must still agree.
 TEST_P(GpuEngine, TensorCoreKdaPrefillMatchesCpu) {
   const Model& m = host_model(GetParam(), true);
   if (m.config().kda_head_dim != 128) GTEST_SKIP() << "the fast KDA kernels take dk = 128 only";
@@ -390,7 +402,8 @@ TEST_P(GpuEngine, TensorCoreKdaPrefillMatchesCpu) {
     const std::vector<float> r = compare(m, prompts[i], done[i].completions.at(0), 4, "tensor-core KDA request " + std::to_string(i));
     all.insert(all.end(), r.begin(), r.end());
   }
-  expect_typical(all, typical_bounds(GetParam()), std::string(GetParam().preset) + " tensor-core KDA prefill");
+  const Typical fp32 = typical_bounds(GetParam());
+  expect_typical(all, {2 * fp32.median, 2 * fp32.p90}, std::string(GetParam().preset) + " tensor-core KDA prefill");
 }
 
 TEST_P(GpuEngine, RecurrentKdaMatchesCpu) {
@@ -409,7 +422,7 @@ TEST_P(GpuEngine, PrefixCacheResumeMatchesCpu) {
   const std::vector<int32_t> more = random_prompt(40, 8, V);
   second.insert(second.end(), more.begin(), more.end());
   EngineConfig cfg = engine_config();
-  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, stderr);
+  auto gpu = attach_fp32_kda(m, cfg, 0.1, stderr);
   Engine e(m, cfg);
   SamplingParams sp;
   sp.max_tokens = 4;
@@ -458,7 +471,7 @@ TEST_P(GpuEngine, EveryPrefixOfTheLayersMatchesCpu) {
     const int64_t V = m->config().vocab_size;
     const std::vector<int32_t> prompt = random_prompt(5, 9, V);
     EngineConfig cfg = engine_config();
-    auto gpu = gpu::GpuBackend::attach(*m, cfg, 0.1, nullptr);
+    auto gpu = attach_fp32_kda(*m, cfg, 0.1, nullptr);
     Engine e(*m, cfg);
     SamplingParams sp;
     sp.max_tokens = 2;
@@ -492,7 +505,7 @@ TEST(GpuEngineK3, ContextAboveTopKMatchesCpu) {
   EngineConfig cfg = engine_config();
   cfg.max_num_batched_tokens = 1024;
   cfg.max_model_len = 4096;
-  auto gpu = gpu::GpuBackend::attach(m, cfg, 0.1, stderr);
+  auto gpu = attach_fp32_kda(m, cfg, 0.1, stderr);
   Engine e(m, cfg);
   SamplingParams sp;
   sp.max_tokens = 4;
