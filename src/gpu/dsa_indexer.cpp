@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <climits>
+#include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cuda/dsa_generic.h"
 #include "kernels/cuda/linear_f32.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/cuda/v32_glue.h"
 
 namespace kestrel::gpu {
 
@@ -97,7 +100,6 @@ size_t DsaIndexerGpu::workspace_bytes() const { return ws_->bytes; }
 void DsaIndexerGpu::upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, DeviceArena& arena) {
   KESTREL_CHECK(keys == IndexKeyDtype::fp8,
                 "the GPU engine keeps DSA index keys in FP8 (--index-dtype fp8), not mxfp4; use --device cpu");
-  KESTREL_CHECK(!cfg.use_rope, "the GPU engine does not apply RoPE in the DSA indexer yet (deepseek_v32); use --device cpu");
   heads_ = ix.n_heads;
   dim_ = ix.head_dim;
   top_k_ = cfg.index_topk;
@@ -135,24 +137,37 @@ void DsaIndexerGpu::upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDt
   k_norm_w_ = put(ix.k_norm_w, "DSA indexer k_norm");
   k_norm_b_ = put(ix.k_norm_b, "DSA indexer k_norm");
   w_proj_ = put(ix.weights_proj.w, "DSA indexer weights_proj");
+  if (cfg.use_rope) {
+    rope_dim_ = cfg.qk_rope_head_dim;
+    KESTREL_CHECK(rope_dim_ > 0 && rope_dim_ % 2 == 0 && rope_dim_ <= dim_ && rope_dim_ <= cuda::kMaxRopeDim,
+                  "DSA indexer: RoPE over {} of the head's {} values (it needs an even count up to the head dimension)",
+                  rope_dim_, dim_);
+    const std::vector<float> inv_freq =
+        cpu::rope_inv_freq(rope_dim_, cfg.rope_theta, cfg.yarn ? &*cfg.yarn : nullptr);
+    float* d = arena.take_n<float>(inv_freq.size(), "DSA indexer RoPE frequencies");
+    KESTREL_CUDA_CHECK(cudaMemcpy(d, inv_freq.data(), inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
+    inv_freq_ = d;
+  }
   weight_bytes_ = arena.used() - before;
 }
 
-void DsaIndexerGpu::write_keys(const float* x, int64_t N, const int64_t* slots, const cuda::Pages& key_pages,
-                               cudaStream_t s) {
+void DsaIndexerGpu::write_keys(const float* x, int64_t N, const int64_t* slots, const int32_t* positions,
+                               const cuda::Pages& key_pages, cudaStream_t s) {
   const DsaIndexerWorkspace& ws = *ws_;
   KESTREL_CHECK(N >= 0 && N <= ws.max_tokens, "DSA indexer: {} tokens, the workspace holds {}", N, ws.max_tokens);
   if (N == 0) return;
   cuda::linear_f32(x, N, hidden_, wk_, dim_, ws.keys, s);
   cuda::layer_norm_f32(ws.keys, k_norm_w_, k_norm_b_, N, dim_, kIndexKeyNormEps, ws.keys, s);
+  if (rope_dim_)
+    cuda::rope_rows(ws.keys, N, dim_, 1, dim_, rope_dim_, cuda::RopeStyle::neox, positions, inv_freq_, s);
   if (dim_ == kFastDim)
     cuda::index_key_write(ws.keys, cuda::KeyDtype::f32, static_cast<int>(N), /*hadamard=*/true, slots, key_pages, s);
   else
     cuda::index_key_write_generic(ws.keys, N, dim_, slots, key_pages, s);
 }
 
-void DsaIndexerGpu::select(const float* x, const float* qr, int64_t N, std::span<const IndexerRequest> requests,
-                           const int32_t* ctx_lens, const cuda::Pages& key_pages, const cuda::BlockTable& block_table,
+void DsaIndexerGpu::select(const float* x, const float* qr, int64_t N, const int32_t* positions,
+                           std::span<const IndexerRequest> requests, const int32_t* ctx_lens, const cuda::Pages& key_pages, const cuda::BlockTable& block_table,
                            int32_t* indices, cudaStream_t s, bool graph_safe) {
   const DsaIndexerWorkspace& ws = *ws_;
   KESTREL_CHECK(N >= 0 && N <= ws.max_tokens, "DSA indexer: {} tokens, the workspace holds {}", N, ws.max_tokens);
@@ -169,6 +184,9 @@ void DsaIndexerGpu::select(const float* x, const float* qr, int64_t N, std::span
   if (N == 0) return;
 
   cuda::linear_f32(qr, N, q_in_, wq_b_, int64_t{heads_} * dim_, ws.q, s);
+  if (rope_dim_)
+    cuda::rope_rows(ws.q, N, int64_t{heads_} * dim_, heads_, dim_, rope_dim_, cuda::RopeStyle::neox, positions,
+                    inv_freq_, s);
   cuda::linear_f32(x, N, hidden_, w_proj_, heads_, ws.raw_weights, s);
   cuda::index_query_prep(ws.q, ws.raw_weights, N, heads_, dim_, ws.codes, ws.weights, s);
 

@@ -1,8 +1,11 @@
 // The DSA indexer of one MLA layer on the GPU: everything between the layer's normed input and the positions its
-// sparse attention reads. Keys: wk(x) -> LayerNorm(k_norm, eps 1e-6) -> Hadamard -> ue8m0 FP8 into the key page
-// (MlaAttention::write_cache). Selection: q = wq_b(qr) per head -> Hadamard -> per-head ue8m0 FP8 (codes and
-// q_scale); w_j = weights_proj(x)_j * H_I^-1/2 * q_scale_j * D^-1/2; exact indexer scores over the cached keys; the
-// top index_topk positions, ascending (MlaAttention::select).
+// sparse attention reads. Keys: wk(x) -> LayerNorm(k_norm, eps 1e-6) -> [RoPE] -> Hadamard -> ue8m0 FP8 into the key
+// page (MlaAttention::write_cache). Selection: q = wq_b(qr) per head -> [RoPE] -> Hadamard -> per-head ue8m0 FP8
+// (codes and q_scale); w_j = weights_proj(x)_j * H_I^-1/2 * q_scale_j * D^-1/2; exact indexer scores over the cached keys; the
+// top index_topk positions, ascending (MlaAttention::select). [RoPE]: with the model's use_rope (deepseek_v32), NeoX
+// RoPE on the first qk_rope_head_dim values of the key and of each query head, at the token's position, from the
+// inverse frequencies cpu::rope_inv_freq gives for the config (MlaAttention's table: the same call); fp32, the CPU's
+// values up to a last-place difference of cos / sin (kernels/cuda/v32_glue.h).
 //
 // Numerics. The three projections and the LayerNorm are fp32 (kernels/cuda/linear_f32.h, ops.h) but not in the CPU's
 // summation order, so their outputs may differ from the CPU's by fp32 rounding; from there on everything is bit for
@@ -58,9 +61,9 @@ class DsaIndexerGpu {
   // Uploads the indexer's weights (fp32: the projections feed FP8 quantisation and a top-k, so they follow the
   // reference as closely as fp32 allows) and takes workspaces for steps of up to max_tokens tokens, max_seqs
   // requests and max_model_len context from the arena. keys: the cache's index-key format. Error (named) for what
-  // is not implemented: MXFP4 index keys, RoPE'd indexers (deepseek_v32), a head dimension that is not a power of
-  // two in [4, 256] (or H_I * D > 8192 off the D = 128 fast path), a max_model_len past int32 or past what
-  // topk_decode holds on this device; and for weights whose shapes do not match cfg.
+  // is not implemented: MXFP4 index keys, a head dimension that is not a power of two in [4, 256] (or H_I * D >
+  // 8192 off the D = 128 fast path), a max_model_len past int32 or past what topk_decode holds on this device; and
+  // for weights whose shapes do not match cfg or a RoPE dimension larger than the head's.
   DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, int64_t max_tokens, int max_seqs,
                 int64_t max_model_len, DeviceArena& arena);
   // The same, sharing `workspace` (from workspace() of another layer's indexer of the same model) instead of taking
@@ -76,20 +79,22 @@ class DsaIndexerGpu {
   // The new tokens' index keys into their slots. x: fp32 normed layer input [N, hidden]; slots [N] (device int64,
   // page * page_size + row, negative: skip); key_pages: the layer's index-key pages (the packed cache: base = pool +
   // page_offset + page_size * latent_bytes, page_stride = row bytes, page_size = B; a page holds B keys of D codes
-  // then B fp32 scales). N <= max_tokens.
-  void write_keys(const float* x, int64_t N, const int64_t* slots, const kestrel::cuda::Pages& key_pages,
-                  cudaStream_t s);
+  // then B fp32 scales). positions [N] (device int32): each token's position, for RoPE (not read without it).
+  // N <= max_tokens.
+  void write_keys(const float* x, int64_t N, const int64_t* slots, const int32_t* positions,
+                  const kestrel::cuda::Pages& key_pages, cudaStream_t s);
   // For every token row t of the step: the top-k positions (k = cfg.index_topk) among 0..pos_t of its request by
   // the indexer's scores, ascending, -1 padded; pos_t = ctx_len - tokens + i for the request's i-th row. x as above,
-  // qr: fp32 query latent [N, q_lora_rank] (x itself when the model has no q_lora_rank). requests: host list (the
+  // qr: fp32 query latent [N, q_lora_rank] (x itself when the model has no q_lora_rank); positions as write_keys
+  // (equal to each row's pos_t). requests: host list (the
   // requests of the step, in token order, back to back from token 0, covering all N rows; tokens >= 1, tokens <=
   // ctx_len <= max_model_len); ctx_lens: device int32 per request index (IndexerRequest::req), equal to the
   // requests' ctx_len; block_table: the step's block table (rows indexed by req). indices: device int32
   // [N, index_topk]. The new tokens' keys must have been written (write_keys) before: a token selects itself.
   // graph_safe: see the file comment; false sizes the single-token requests' kernels for their own contexts
   // (faster for short contexts, not for replay).
-  void select(const float* x, const float* qr, int64_t N, std::span<const IndexerRequest> requests,
-              const int32_t* ctx_lens, const kestrel::cuda::Pages& key_pages,
+  void select(const float* x, const float* qr, int64_t N, const int32_t* positions,
+              std::span<const IndexerRequest> requests, const int32_t* ctx_lens, const kestrel::cuda::Pages& key_pages,
               const kestrel::cuda::BlockTable& block_table, int32_t* indices, cudaStream_t s,
               bool graph_safe = true);
   int top_k() const;
@@ -107,6 +112,8 @@ class DsaIndexerGpu {
                      int32_t* indices, cudaStream_t s);
 
   int heads_ = 0, dim_ = 0, top_k_ = 0;
+  int rope_dim_ = 0;                  // 0: no RoPE
+  const float* inv_freq_ = nullptr;   // [rope_dim_ / 2] with RoPE
   int64_t hidden_ = 0, q_in_ = 0;
   const float *wq_b_ = nullptr, *wk_ = nullptr, *k_norm_w_ = nullptr, *k_norm_b_ = nullptr, *w_proj_ = nullptr;
   size_t weight_bytes_ = 0;

@@ -22,6 +22,7 @@
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/cuda/sampling.h"
+#include "kernels/cuda/v32_glue.h"
 
 namespace kestrel {
 
@@ -29,6 +30,13 @@ namespace {
 constexpr float kLatentNormEps = 1e-6f;  // as model/layers.cpp
 constexpr int kFastKdaDim = 128;         // the chunked and decode KDA kernels' head size
 constexpr int kFastLatentC = 512, kFastLatentR = 64;  // the tensor-core MLA decode kernel's latent
+
+// Whether MLA attention runs the tensor-core kernels (dense mla_decode, sparse sparse_mla_decode): they read Kimi's
+// FP8 entry of C = 512, R = 64. Everything else -- other shapes and deepseek_v32's tiled FP8 entry -- runs the
+// generic fp32 kernel (mla_glue.h).
+bool fast_mla(const ModelConfig& cfg) {
+  return cfg.kv_lora_rank == kFastLatentC && cfg.qk_rope_head_dim == kFastLatentR && cfg.arch != Arch::deepseek_v32;
+}
 }  // namespace
 
 // ---------------------------------------------------------------- device weights
@@ -53,6 +61,7 @@ struct DMla {
   const float* kv_a_norm = nullptr;
   const uint16_t* kv_b = nullptr;  // bf16 [H * (dn + dv), C]
   float kv_scale = 1.0f;
+  const float* inv_freq = nullptr;  // [R / 2] with RoPE (deepseek_v32): MlaAttention's table
 };
 
 struct DFfn {
@@ -154,7 +163,6 @@ struct GpuWeightAccess {
 
   static gpu::DMla mla(const MlaAttention& m, gpu::Uploader& up) {
     const ModelConfig& cfg = m.cfg_;
-    KESTREL_CHECK(!cfg.use_rope, "the GPU engine does not apply RoPE in MLA yet (deepseek_v32); use --device cpu");
     KESTREL_CHECK(m.latent_ == LatentCacheDtype::fp8,
                   "the GPU engine keeps the MLA latent in FP8 (--kv-cache-dtype fp8), not {}",
                   m.latent_ == LatentCacheDtype::nvfp4 ? "nvfp4" : "fp32");
@@ -171,6 +179,7 @@ struct GpuWeightAccess {
     d.kv_b = up.bf16({&m.kv_b_}, "MLA kv_b_proj");
     d.o_proj = up.linear(m.o_proj_, "MLA o_proj");
     d.kv_scale = m.kv_scale_;
+    if (cfg.use_rope) d.inv_freq = up.f32(m.inv_freq_.data(), m.inv_freq_.size(), "MLA RoPE frequencies");
     return d;
   }
 
@@ -438,7 +447,7 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     if (cfg.has_indexer) {
       s.index_topk = cfg.index_topk;
       s.indices = arena.take_n<int32_t>(static_cast<size_t>(N * cfg.index_topk), "DSA selected positions");
-      if (C == kFastLatentC && R == kFastLatentR) {
+      if (fast_mla(cfg)) {
         for (int b = 1; b <= S; ++b)
           s.sparse_ws_bytes = std::max(s.sparse_ws_bytes, cuda::sparse_mla_decode_workspace_bytes(
                                                               b, 1, static_cast<int>(H), cfg.index_topk));
@@ -448,7 +457,7 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
         if (s.sparse_ws_bytes) s.sparse_ws = arena.take(s.sparse_ws_bytes, "sparse MLA workspace");
       }
     }
-    if (C == kFastLatentC && R == kFastLatentR) {
+    if (fast_mla(cfg)) {
       // The kernel's split of the context (and so its scratch) depends on the shape in ways that are not monotone:
       // take the largest over every shape a step can launch (decode batches of 1..S, prompts of 1..N tokens) at
       // lengths up to max_model_len in powers of two and max_model_len itself.
@@ -578,9 +587,8 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
   const bool chunked_kda = host_.options().kda_chunked_prefill;
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const DLayer& L = w_->layers[l];
-    const int64_t C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
-    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == C + R && plan.index_key_bytes[l] ==
-                                                            index_key_entry_bytes(cfg, IndexKeyDtype::fp8)
+    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == latent_entry_bytes(cfg, LatentCacheDtype::fp8) &&
+                              plan.index_key_bytes[l] == index_key_entry_bytes(cfg, IndexKeyDtype::fp8)
                         : plan.state_row[l] >= 0,
                   "the cache plan does not match layer {} of the model on the GPU", l);
   }
@@ -1071,7 +1079,17 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   // The new tokens' latents first: a token attends to itself.
   s.gemm.linear(s.x_bf, N, D, D, m.kv_a.w, C + R, s.kv, C + R, st);
   cuda::rms_norm_f32(s.kv, C + R, m.kv_a_norm, N, C, kLatentNormEps, s.kv, C + R, st);
-  cuda::mla_latent_write_fp8(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages, st);
+  // deepseek_v32: interleaved RoPE on k_pe before it is cached, and its own FP8 entry (tiles of 128, bf16 tail).
+  const bool v32 = cfg.arch == Arch::deepseek_v32;
+  const cuda::LatentEntry entry = v32 ? cuda::LatentEntry::v32_fp8 : cuda::LatentEntry::kimi_fp8;
+  if (m.inv_freq)
+    cuda::rope_rows(s.kv + C, N, C + R, 1, R, static_cast<int>(R), cuda::RopeStyle::interleaved, d_row_pos, m.inv_freq,
+                    st);
+  if (v32)
+    cuda::mla_latent_write_v32(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), d_slots, pages, st);
+  else
+    cuda::mla_latent_write_fp8(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages,
+                               st);
 
   // Queries, absorbed per head: q_abs[t, h] = [W_UK,h^T q_nope ; q_pe].
   if (m.q_a) {
@@ -1083,6 +1101,10 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   } else {
     s.gemm.linear(s.x_bf, N, D, D, m.q_proj->w, H * dq, s.mq, H * dq, st);
   }
+  // Interleaved RoPE on each head's q_pe (fp32, before q_nope is rounded to bf16 for the absorption).
+  if (m.inv_freq)
+    cuda::rope_rows(s.mq + dn, N, H * dq, static_cast<int>(H), dq, static_cast<int>(R), cuda::RopeStyle::interleaved,
+                    d_row_pos, m.inv_freq, st);
   cuda::to_bf16(s.mq, N * H * dq, s.mq_bf, st);
   s.gemm.batched(s.mq_bf, H * dq, dq, m.kv_b, C, (dn + dv) * C, /*transpose_w=*/false, s.q_abs, H * (C + R), C + R,
                  N, C, dn, H, st);
@@ -1097,16 +1119,16 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     const int64_t latent_bytes = plan.latent_bytes[l];
     const cuda::Pages key_pages{batch.pool + plan.page_offset[l] + plan.block_size * latent_bytes, plan.row_bytes,
                                 plan.block_size};
-    indexer->write_keys(s.xf, N, d_slots, key_pages, st);
+    indexer->write_keys(s.xf, N, d_slots, d_row_pos, key_pages, st);
     std::vector<IndexerRequest> reqs(S);
     for (int j = 0; j < S; ++j) {
       const SequenceStep& q = batch.seqs[ord.seq[j]];
       reqs[j] = {ord.first[j], ord.first[j + 1] - ord.first[j], q.start + static_cast<int64_t>(q.ids.size()), j};
     }
-    indexer->select(s.xf, qlr ? s.qa : s.xf, N, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
+    indexer->select(s.xf, qlr ? s.qa : s.xf, N, d_row_pos, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
   }
   const int k = s.index_topk;
-  if (indexer && C == kFastLatentC && R == kFastLatentR) {
+  if (indexer && fast_mla(cfg)) {
     // Sparse MLA over the selected positions: one launch for the single generated tokens, one per prompt.
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
     auto run = [&](int b0, int batch_n, int n_q) {
@@ -1130,9 +1152,9 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     if (ord.decode > 0) run(0, ord.decode, 1);
     for (int j = ord.decode; j < S; ++j) run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]));
   } else if (indexer) {
-    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), d_row_req,
-                             d_row_pos, pages, table, m.kv_scale, scale, s.indices, k, s.obar, s.lse, st);
-  } else if (C == kFastLatentC && R == kFastLatentR) {
+    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), entry,
+                             d_row_req, d_row_pos, pages, table, m.kv_scale, scale, s.indices, k, s.obar, s.lse, st);
+  } else if (fast_mla(cfg)) {
     // Tensor-core decode kernel: one launch for the single generated tokens, one per prompt (its tokens are the
     // causal queries of one request).
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
@@ -1176,8 +1198,8 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     for (int j = ord.decode; j < S; ++j)
       run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]), ctx_of(j));
   } else {
-    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), d_row_req,
-                             d_row_pos, pages, table, m.kv_scale, scale, nullptr, 0, s.obar, s.lse, st);
+    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), entry,
+                             d_row_req, d_row_pos, pages, table, m.kv_scale, scale, nullptr, 0, s.obar, s.lse, st);
   }
 
   // Un-absorb per head (o[t, h] = W_UV,h obar[t, h]) and project.

@@ -155,6 +155,34 @@ ModelConfig small_kimi_linear() {
   return c;
 }
 
+// deepseek_v32 at DeepSeek-V3.2's per-layer attention widths (latent 512 + 64, q_lora_rank-compressed queries with
+// 128 + 64 dims per head, indexer 64 heads of 128 with top-2048, YaRN) with fewer layers (one dense, then MoE), heads
+// and experts (grouped routing kept), and small_k3's hidden size and vocabulary.
+ModelConfig small_deepseek() {
+  ModelConfig c = tiny_deepseek();
+  c.hidden_size = 1024;
+  c.num_hidden_layers = 3;
+  c.layer_kinds.assign(3, LayerKind::mla);
+  c.intermediate_size = 2048;
+  c.num_attention_heads = 16;
+  c.q_lora_rank = 768;
+  c.kv_lora_rank = 512;
+  c.qk_nope_head_dim = 128;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.index_n_heads = 64;
+  c.index_head_dim = 128;
+  c.index_topk = 2048;
+  c.first_k_dense_replace = 1;
+  c.n_routed_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.moe_intermediate_size = 256;
+  c.n_shared_experts = 1;
+  return c;
+}
+
 ModelConfig k31_pro() {
   ModelConfig c = kimi_base(Arch::kimi_k3);
   c.vocab_size = 163840;
@@ -447,6 +475,7 @@ const std::vector<Preset>& presets() {
       {"tiny", Arch::deepseek_v32, true, ""},
       {"small", Arch::kimi_k3, true, ""},
       {"small", Arch::kimi_linear, true, ""},
+      {"small", Arch::deepseek_v32, true, ""},
       {"k3.1-pro", Arch::kimi_k3, false,
        "From the seed: 93 layers (69 KDA + 24 full attention), 96 MLA heads, latent 512+64, indexer 32x128 top-2048, "
        "896 experts top-16 MXFP4, 1M context. Assumptions chosen to match 2.8T total / 104B active: hidden 7168, "
@@ -470,6 +499,7 @@ const Preset& find_preset(Arch arch, const std::string& name) {
 
 ModelConfig preset_config(const Preset& p) {
   if (p.name == "tiny") return p.arch == Arch::deepseek_v32 ? tiny_deepseek() : tiny_kimi(p.arch);
+  if (p.name == "small" && p.arch == Arch::deepseek_v32) return small_deepseek();
   if (p.name == "small") return p.arch == Arch::kimi_linear ? small_kimi_linear() : small_k3();
   if (p.name == "k3.1-pro") return k31_pro();
   if (p.name == "kimi-linear-48b") return kimi_linear_48b();

@@ -1,5 +1,5 @@
 // The GPU engine against the CPU reference: whole-model logits and greedy generations of the tiny and small
-// kimi_linear models, through the engine (chunked prefill, batches of prompts and decodes, prefix-cache resumes
+// kimi_linear, kimi_k3 and deepseek_v32 models, through the engine (chunked prefill, batches of prompts and decodes, prefix-cache resumes
 // from KDA checkpoints), in both KDA prefill modes. Runs only where a CUDA device is visible.
 //
 // The reference runs with ModelOptions::bf16_activations: the GPU's numerics (every linear layer's input in bf16,
@@ -190,12 +190,15 @@ std::vector<float> compare(const Model& m, const std::vector<int32_t>& prompt, c
 // Typical-position bounds of the long tests. The tiny kimi_k3 model attends to the top 16 of up to 240 positions,
 // where an indexer score at the boundary is often within fp32 noise of the next: one changed position moves that
 // token's attention by a large step, so its bounds are wider (a wrong page or kernel still moves every position
-// by O(1)).
+// by O(1)). The tiny deepseek_v32 model has the same indexer (4 heads of 32, top 16), so the same bounds; its RoPE
+// (cos / sin rounded in the last place apart from the CPU's now and then) and its tiled FP8 latent add only more of
+// the fp32-rounding differences that such a boundary turns into a changed selection.
 struct Typical {
   float median, p90;
 };
 Typical typical_bounds(const Case& c) {
-  if (c.arch == Arch::kimi_k3 && std::string(c.preset) == "tiny") return {5e-2f, 0.25f};
+  if ((c.arch == Arch::kimi_k3 || c.arch == Arch::deepseek_v32) && std::string(c.preset) == "tiny")
+    return {5e-2f, 0.25f};
   return {1e-2f, 5e-2f};
 }
 
@@ -452,11 +455,13 @@ std::string truncated_dir(const Case& c, int k) {
   std::ifstream in(src + "/config.json");
   nlohmann::json j = nlohmann::json::parse(in);
   j["num_hidden_layers"] = k;
-  for (const char* key : {"full_attn_layers", "kda_layers"}) {
-    nlohmann::json kept = nlohmann::json::array();
-    for (int l : j["linear_attn_config"][key]) if (l <= k) kept.push_back(l);
-    j["linear_attn_config"][key] = kept;
-  }
+  // Kimi's configs list their layer kinds; deepseek_v32's layers are all MLA (no list to cut).
+  if (j.contains("linear_attn_config"))
+    for (const char* key : {"full_attn_layers", "kda_layers"}) {
+      nlohmann::json kept = nlohmann::json::array();
+      for (int l : j["linear_attn_config"][key]) if (l <= k) kept.push_back(l);
+      j["linear_attn_config"][key] = kept;
+    }
   std::ofstream(dir + "/config.json") << j.dump(2);
   return dir;
 }
@@ -492,6 +497,12 @@ INSTANTIATE_TEST_SUITE_P(KimiLinear, GpuEngine,
 // top-2048 of the small one: dense below 2048).
 INSTANTIATE_TEST_SUITE_P(KimiK3, GpuEngine,
                          ::testing::Values(Case{Arch::kimi_k3, "tiny"}, Case{Arch::kimi_k3, "small"}),
+                         [](const auto& info) { return std::string(info.param.preset); });
+// deepseek_v32: MLA with YaRN RoPE (query, latent k_pe, indexer query and key) on every layer, its 656-byte-layout
+// FP8 latent read by the generic attention kernel (dense and over the indexer's top-k), a dense first layer, then
+// MoE with grouped routing. Top-16 of the tiny model's context; top-2048 of the small one (dense below 2048).
+INSTANTIATE_TEST_SUITE_P(DeepseekV32, GpuEngine,
+                         ::testing::Values(Case{Arch::deepseek_v32, "tiny"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(info.param.preset); });
 
 // The small kimi_k3 model far above its top-2048: a 2300-token prompt in chunks of 1024, then decode steps whose

@@ -2,9 +2,11 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdint>
 
 #include "core/error.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/cuda/v32_glue.h"
 
 namespace kestrel::cuda {
 
@@ -15,7 +17,7 @@ constexpr int64_t kMaxGridX = INT_MAX;
 // mla_attend_generic puts the head groups on the grid's y dimension.
 constexpr int kMaxGridY = 65535;
 
-void check_latent_pages(const char* fn, const Pages& pages, int width) {
+void check_latent_pages(const char* fn, const Pages& pages, int64_t width) {
   KESTREL_CHECK(pages.base != nullptr && pages.page_size > 0, "{}: pages need a base and a positive page size, got {}",
                 fn, pages.page_size);
   KESTREL_CHECK(pages.page_stride >= int64_t{pages.page_size} * width,
@@ -42,8 +44,20 @@ void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R
 void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                         const int32_t* row_pos, const Pages& pages, const BlockTable& block_table, float kv_scale,
                         float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s) {
+  mla_attend_generic(q_abs, rows, H, C, R, LatentEntry::kimi_fp8, row_req, row_pos, pages, block_table, kv_scale,
+                     softmax_scale, indices, k, out, lse, s);
+}
+
+void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
+                        const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
+                        const BlockTable& block_table, float kv_scale, float softmax_scale, const int32_t* indices,
+                        int k, float* out, float* lse, cudaStream_t s) {
   constexpr const char* fn = "mla_attend_generic";
   KESTREL_CHECK(H > 0 && C > 0 && R >= 0, "{}: bad shape H={} C={} R={}", fn, H, C, R);
+  KESTREL_CHECK(entry == LatentEntry::kimi_fp8 || entry == LatentEntry::v32_fp8, "{}: unknown latent entry layout",
+                fn);
+  KESTREL_CHECK(entry != LatentEntry::v32_fp8 || (C % 128 == 0 && R % 2 == 0),
+                "{}: deepseek_v32 latent entries need C a multiple of 128 and R even, got C={} R={}", fn, C, R);
   KESTREL_CHECK(H <= kMaxGridY * kGenericHeadsPerCta, "{}: H = {} heads, at most {}", fn, H,
                 kMaxGridY * kGenericHeadsPerCta);
   KESTREL_CHECK(C + R <= kMaxGenericLatentWidth, "{}: latent rows of C + R = {} values, at most {} are supported", fn,
@@ -58,9 +72,16 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, c
                 "{}: q_abs, row_req, row_pos, out and lse must be set", fn);
   KESTREL_CHECK(block_table.pages != nullptr && block_table.stride > 0,
                 "{}: the block table needs pages and a positive stride, got stride {}", fn, block_table.stride);
-  check_latent_pages(fn, pages, C + R);
-  KESTREL_CUDA_CHECK(detail::launch_mla_attend_generic(q_abs, rows, H, C, R, row_req, row_pos, pages, block_table,
-                                                       kv_scale, softmax_scale, indices, k, out, lse, s));
+  if (entry == LatentEntry::v32_fp8) {
+    check_latent_pages(fn, pages, v32_latent_entry_bytes(C, R));
+    KESTREL_CHECK(reinterpret_cast<uintptr_t>(pages.base) % 4 == 0 && pages.page_stride % 4 == 0,
+                  "{}: deepseek_v32 latent pages need a 4-byte aligned base and page stride, got stride {}", fn,
+                  pages.page_stride);
+  } else {
+    check_latent_pages(fn, pages, C + R);
+  }
+  KESTREL_CUDA_CHECK(detail::launch_mla_attend_generic(q_abs, rows, H, C, R, entry, row_req, row_pos, pages,
+                                                       block_table, kv_scale, softmax_scale, indices, k, out, lse, s));
 }
 
 void to_bf16_rows(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy, cudaStream_t s) {

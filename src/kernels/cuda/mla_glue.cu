@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kernels/cuda/mla_glue.h"
+#include "kernels/cuda/v32_glue.h"
 
 namespace kestrel::cuda::detail {
 namespace {
@@ -53,6 +54,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct AttendParams {
   const float* q_abs;
   int H, C, R;
+  int64_t entry_bytes;  // bytes from one latent entry of a page to the next
   const int32_t* row_req;
   const int32_t* row_pos;
   Pages pages;
@@ -69,6 +71,19 @@ struct AttendParams {
 __device__ __forceinline__ float dequant(uint8_t code, float kv_scale) {
   const __half h(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3));
   return __fmul_rn(__half2float(h), kv_scale);
+}
+
+// Value i (< C + R) of a cached latent entry as MlaAttention::read_latent decodes it.
+template <LatentEntry kEntry>
+__device__ __forceinline__ float latent_value(const uint8_t* entry, int i, int C, float kv_scale) {
+  if constexpr (kEntry == LatentEntry::kimi_fp8) {
+    return dequant(entry[i], kv_scale);
+  } else {
+    // [C codes ; C / 128 fp32 tile scales ; R bf16]: the scales and the tail are aligned (v32_glue.h).
+    if (i < C) return dequant(entry[i], reinterpret_cast<const float*>(entry + C)[i / 128]);
+    const uint16_t b = reinterpret_cast<const uint16_t*>(entry + C + C / 32)[i - C];
+    return __uint_as_float(static_cast<uint32_t>(b) << 16);
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -92,7 +107,7 @@ __device__ __forceinline__ float warp_max(float x) {
 //   4. values: thread i owns value columns i, i + 128, ... (KC of them) of every head, rescales its accumulators and
 //      adds the tile's probability-weighted rows in candidate order.
 // KC * kAttendThreads >= C.
-template <int KC>
+template <int KC, LatentEntry kEntry>
 __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(AttendParams p) {
   __shared__ float q_s[kHeadsPerCta * kMaxGenericLatentWidth];
   __shared__ float prob_s[kHeadsPerCta][kTile];  // scores, then probabilities
@@ -131,7 +146,7 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
         const int64_t position = row_indices != nullptr ? int64_t{row_indices[j]} : j;
         if (position >= 0 && position <= pos) {
           const int64_t page = pages_of_req[position / p.pages.page_size];
-          row = p.pages.base + page * p.pages.page_stride + (position % p.pages.page_size) * width;
+          row = p.pages.base + page * p.pages.page_stride + (position % p.pages.page_size) * p.entry_bytes;
         }
       }
       row_s[tid] = row;
@@ -148,7 +163,7 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
 #pragma unroll
       for (int h = 0; h < kHeadsPerCta; ++h) dot[h] = 0.0f;
       for (int i = lane; i < width; i += 32) {
-        const float v = dequant(row[i], p.kv_scale);
+        const float v = latent_value<kEntry>(row, i, p.C, p.kv_scale);
 #pragma unroll
         for (int h = 0; h < kHeadsPerCta; ++h)
           if (h < nh) dot[h] = fmaf(q_s[h * width + i], v, dot[h]);
@@ -195,7 +210,7 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
       for (int c = 0; c < KC; ++c) {
         const int col = tid + c * kAttendThreads;
         if (col < p.C) {
-          const float v = dequant(row[col], p.kv_scale);
+          const float v = latent_value<kEntry>(row, col, p.C, p.kv_scale);
 #pragma unroll
           for (int h = 0; h < kHeadsPerCta; ++h)
             if (h < nh) acc[h][c] = fmaf(prob_s[h][j], v, acc[h][c]);
@@ -243,6 +258,21 @@ __global__ __launch_bounds__(kBf16Threads) void to_bf16_rows_kernel(const float*
   for (int64_t j = threadIdx.x; j < cols; j += kBf16Threads) yr[j] = bf16_bits(xr[j]);
 }
 
+template <LatentEntry kEntry>
+void launch_attend_generic(const AttendParams& p, int64_t rows, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((p.H + kHeadsPerCta - 1) / kHeadsPerCta));
+  const int chunks = (p.C + kAttendThreads - 1) / kAttendThreads;
+  if (chunks <= 1) {
+    attend_generic_kernel<1, kEntry><<<grid, kAttendThreads, 0, s>>>(p);
+  } else if (chunks <= 2) {
+    attend_generic_kernel<2, kEntry><<<grid, kAttendThreads, 0, s>>>(p);
+  } else if (chunks <= 4) {
+    attend_generic_kernel<4, kEntry><<<grid, kAttendThreads, 0, s>>>(p);
+  } else {
+    attend_generic_kernel<8, kEntry><<<grid, kAttendThreads, 0, s>>>(p);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale,
@@ -252,24 +282,19 @@ cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T
   return cudaGetLastError();
 }
 
-cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
-                                      const int32_t* row_pos, const Pages& pages, const BlockTable& block_table,
-                                      float kv_scale, float softmax_scale, const int32_t* indices, int k, float* out,
-                                      float* lse, cudaStream_t s) {
+cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
+                                      const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
+                                      const BlockTable& block_table, float kv_scale, float softmax_scale,
+                                      const int32_t* indices, int k, float* out, float* lse, cudaStream_t s) {
   if (rows == 0) return cudaSuccess;
-  const AttendParams p{q_abs, H, C, R, row_req, row_pos, pages, block_table, kv_scale, softmax_scale, indices, k,
-                       out, lse};
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((H + kHeadsPerCta - 1) / kHeadsPerCta));
-  const int chunks = (C + kAttendThreads - 1) / kAttendThreads;
-  if (chunks <= 1) {
-    attend_generic_kernel<1><<<grid, kAttendThreads, 0, s>>>(p);
-  } else if (chunks <= 2) {
-    attend_generic_kernel<2><<<grid, kAttendThreads, 0, s>>>(p);
-  } else if (chunks <= 4) {
-    attend_generic_kernel<4><<<grid, kAttendThreads, 0, s>>>(p);
-  } else {
-    attend_generic_kernel<8><<<grid, kAttendThreads, 0, s>>>(p);
-  }
+  const bool v32 = entry == LatentEntry::v32_fp8;
+  const int64_t entry_bytes = v32 ? v32_latent_entry_bytes(C, R) : int64_t{C} + R;
+  const AttendParams p{q_abs, H, C, R, entry_bytes, row_req, row_pos, pages, block_table, kv_scale, softmax_scale,
+                       indices, k, out, lse};
+  if (v32)
+    launch_attend_generic<LatentEntry::v32_fp8>(p, rows, s);
+  else
+    launch_attend_generic<LatentEntry::kimi_fp8>(p, rows, s);
   return cudaGetLastError();
 }
 

@@ -1,6 +1,7 @@
 // GPU pieces around MLA attention in the absorbed form that the 576-wide kernels (dsa.h, mla_decode.h) do not
 // cover: the FP8 latent writer of Kimi's layout for any C + R, a plain fp32 absorbed attention for any C + R (the
-// tiny model configurations have C = 64 or 128 and R = 16), and the fp32 -> bf16 row conversion that feeds the
+// tiny model configurations have C = 64 or 128 and R = 16) over Kimi's or deepseek_v32's FP8 latent entries (the
+// only attention deepseek_v32 runs on the GPU), and the fp32 -> bf16 row conversion that feeds the
 // tensor-core kernels. CPU references: MlaAttention::write_latent (src/model/layers.cpp), cpu::mla_attend_absorbed
 // (src/kernels/cpu/attention.h), f32_to_e4m3 / f32_to_bf16 (src/core/formats.h).
 //
@@ -30,6 +31,15 @@ constexpr int kMaxGenericLatentWidth = 1024;
 void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale, const int64_t* slots,
                           const Pages& pages, cudaStream_t s);
 
+// How mla_attend_generic reads a latent entry: the fp8 layouts of MlaAttention::write_latent.
+enum class LatentEntry {
+  kimi_fp8,  // C + R e4m3 codes (the layout above); value = fp32(code * kv_scale)
+  v32_fp8,   // deepseek_v32 (v32_glue.h): C e4m3 codes in tiles of 128, one fp32 scale per tile, then the R-value
+             // tail in bf16, v32_latent_entry_bytes(C, R) bytes; value = fp32(code * tile scale) for c and the bf16
+             // value for k_pe, as MlaAttention::read_latent; kv_scale is not applied. C a multiple of 128, R even,
+             // pages 4-byte aligned.
+};
+
 // Generic absorbed attention for any C, R (C + R <= kMaxGenericLatentWidth), one query row per token and every head:
 // q_abs: [rows, H, C + R] fp32 ([W_UK^T q_nope ; q_pe] per head). Row q belongs to request row_req[q] and sits at
 // position row_pos[q] (device int32 arrays); it attends to positions 0..row_pos[q] of that request, whose latents
@@ -46,6 +56,12 @@ void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R
 void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                         const int32_t* row_pos, const Pages& pages, const BlockTable& block_table, float kv_scale,
                         float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s);
+// The same over latent entries of the given layout (the function above is entry = LatentEntry::kimi_fp8): entry r of
+// a page at r * (its entry bytes) from the page start; the scores and outputs use each value as `entry` decodes it.
+void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
+                        const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
+                        const BlockTable& block_table, float kv_scale, float softmax_scale, const int32_t* indices,
+                        int k, float* out, float* lse, cudaStream_t s);
 
 // fp32 -> bf16 with a row pitch change, to feed the 576-wide tensor-core kernels: y[r, j] = bf16(x[r, j]) for
 // r < rows, j < cols (bit for bit f32_to_bf16: round to nearest even, NaN kept quiet with its sign); x leading dim
@@ -59,10 +75,10 @@ constexpr int kGenericHeadsPerCta = 8;
 namespace detail {
 cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale,
                                         const int64_t* slots, const Pages& pages, cudaStream_t s);
-cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
-                                      const int32_t* row_pos, const Pages& pages, const BlockTable& block_table,
-                                      float kv_scale, float softmax_scale, const int32_t* indices, int k, float* out,
-                                      float* lse, cudaStream_t s);
+cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
+                                      const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
+                                      const BlockTable& block_table, float kv_scale, float softmax_scale,
+                                      const int32_t* indices, int k, float* out, float* lse, cudaStream_t s);
 cudaError_t launch_to_bf16_rows(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy,
                                 cudaStream_t s);
 }  // namespace detail
