@@ -505,13 +505,17 @@ INSTANTIATE_TEST_SUITE_P(DeepseekV32, GpuEngine,
                          ::testing::Values(Case{Arch::deepseek_v32, "tiny"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(info.param.preset); });
 
-// The small kimi_k3 model far above its top-2048: a 2300-token prompt in chunks of 1024, then decode steps whose
-// attention reads 2048 of 2300+ positions.
-TEST(GpuEngineK3, ContextAboveTopKMatchesCpu) {
+// The small kimi_k3 and deepseek_v32 models above their top-2048: a 2300-token prompt in chunks of 1024 (the
+// indexer of the second and third chunks selects 2048 of up to 2300 positions), then decode steps whose attention
+// reads 2048 of 2300+ positions.
+class GpuEngineAboveTopK : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuEngineAboveTopK, ContextAboveTopKMatchesCpu) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  const Case c{Arch::kimi_k3, "small"};
+  const Case c = GetParam();
   const Model& m = host_model(c, true);
   const Model& exact = host_model(c, true, false);
+  ASSERT_EQ(m.config().index_topk, 2048);
   const std::vector<int32_t> prompt = random_prompt(2300, 12, m.config().vocab_size);
   EngineConfig cfg = engine_config();
   cfg.max_num_batched_tokens = 1024;
@@ -523,10 +527,14 @@ TEST(GpuEngineK3, ContextAboveTopKMatchesCpu) {
   sp.ignore_eos = true;
   e.add_request(prompt, sp, 0, true);
   const RequestOutput out = e.run_to_completion().at(0);
-  expect_typical(compare(m, prompt, out.completions.at(0), 4, "small k3, 2300 tokens"), typical_bounds(c),
-                 "small k3, 2300 tokens");
-  report_vs_fp32(exact, prompt, out.completions.at(0), 4, "small k3, 2300 tokens");
+  const std::string what = std::string(arch_name(c.arch)) + " small, 2300 tokens";
+  expect_typical(compare(m, prompt, out.completions.at(0), 4, what), typical_bounds(c), what);
+  report_vs_fp32(exact, prompt, out.completions.at(0), 4, what);
 }
+
+INSTANTIATE_TEST_SUITE_P(Small, GpuEngineAboveTopK,
+                         ::testing::Values(Case{Arch::kimi_k3, "small"}, Case{Arch::deepseek_v32, "small"}),
+                         [](const auto& info) { return std::string(arch_name(info.param.arch)); });
 
 }  // namespace
 }  // namespace kestrel
