@@ -11,6 +11,7 @@
 #include "core/formats.h"
 #include "gpu/dsa_indexer.h"
 #include "kernels/cuda/dsa.h"
+#include "kernels/cuda/fp4_cache.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_glue.h"
@@ -53,6 +54,8 @@ struct DMla {
   const float* kv_a_norm = nullptr;
   const uint16_t* kv_b = nullptr;  // bf16 [H * (dn + dv), C]
   float kv_scale = 1.0f;
+  cuda::LatentFormat latent = cuda::LatentFormat::fp8;  // --kv-cache-dtype fp8 or nvfp4
+  IndexKeyDtype keys = IndexKeyDtype::fp8;
 };
 
 struct DFfn {
@@ -155,10 +158,11 @@ struct GpuWeightAccess {
   static gpu::DMla mla(const MlaAttention& m, gpu::Uploader& up) {
     const ModelConfig& cfg = m.cfg_;
     KESTREL_CHECK(!cfg.use_rope, "the GPU engine does not apply RoPE in MLA yet (deepseek_v32); use --device cpu");
-    KESTREL_CHECK(m.latent_ == LatentCacheDtype::fp8,
-                  "the GPU engine keeps the MLA latent in FP8 (--kv-cache-dtype fp8), not {}",
-                  m.latent_ == LatentCacheDtype::nvfp4 ? "nvfp4" : "fp32");
+    KESTREL_CHECK(m.latent_ != LatentCacheDtype::auto_fp32,
+                  "the GPU engine keeps the MLA latent in FP8 or NVFP4 (--kv-cache-dtype fp8 or nvfp4), not fp32");
     gpu::DMla d;
+    d.latent = m.latent_ == LatentCacheDtype::nvfp4 ? cuda::LatentFormat::nvfp4 : cuda::LatentFormat::fp8;
+    d.keys = m.keys_;
     if (m.q_a_) {
       d.q_a = up.linear(*m.q_a_, "MLA q_a_proj");
       d.q_a_norm = up.f32(m.q_a_norm_, "MLA q_a_layernorm");
@@ -579,8 +583,9 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const DLayer& L = w_->layers[l];
     const int64_t C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
-    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == C + R && plan.index_key_bytes[l] ==
-                                                            index_key_entry_bytes(cfg, IndexKeyDtype::fp8)
+    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == cuda::latent_format_bytes(L.mla->latent, static_cast<int>(C),
+                                                                             static_cast<int>(R)) &&
+                              plan.index_key_bytes[l] == index_key_entry_bytes(cfg, L.mla->keys)
                         : plan.state_row[l] >= 0,
                   "the cache plan does not match layer {} of the model on the GPU", l);
   }
@@ -1071,7 +1076,11 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   // The new tokens' latents first: a token attends to itself.
   s.gemm.linear(s.x_bf, N, D, D, m.kv_a.w, C + R, s.kv, C + R, st);
   cuda::rms_norm_f32(s.kv, C + R, m.kv_a_norm, N, C, kLatentNormEps, s.kv, C + R, st);
-  cuda::mla_latent_write_fp8(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages, st);
+  if (m.latent == cuda::LatentFormat::nvfp4)
+    cuda::mla_latent_write_nvfp4(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages,
+                                 st);
+  else
+    cuda::mla_latent_write_fp8(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages, st);
 
   // Queries, absorbed per head: q_abs[t, h] = [W_UK,h^T q_nope ; q_pe].
   if (m.q_a) {
@@ -1106,7 +1115,9 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     indexer->select(s.xf, qlr ? s.qa : s.xf, N, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
   }
   const int k = s.index_topk;
-  if (indexer && C == kFastLatentC && R == kFastLatentR) {
+  // The tensor-core kernels read Kimi's FP8 latent only; an NVFP4 latent goes to the generic kernel.
+  const bool fast_latent = C == kFastLatentC && R == kFastLatentR && m.latent == cuda::LatentFormat::fp8;
+  if (indexer && fast_latent) {
     // Sparse MLA over the selected positions: one launch for the single generated tokens, one per prompt.
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
     auto run = [&](int b0, int batch_n, int n_q) {
@@ -1131,8 +1142,8 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     for (int j = ord.decode; j < S; ++j) run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]));
   } else if (indexer) {
     cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), d_row_req,
-                             d_row_pos, pages, table, m.kv_scale, scale, s.indices, k, s.obar, s.lse, st);
-  } else if (C == kFastLatentC && R == kFastLatentR) {
+                             d_row_pos, pages, table, m.kv_scale, scale, s.indices, k, s.obar, s.lse, st, m.latent);
+  } else if (fast_latent) {
     // Tensor-core decode kernel: one launch for the single generated tokens, one per prompt (its tokens are the
     // causal queries of one request).
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
@@ -1177,7 +1188,7 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
       run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]), ctx_of(j));
   } else {
     cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), d_row_req,
-                             d_row_pos, pages, table, m.kv_scale, scale, nullptr, 0, s.obar, s.lse, st);
+                             d_row_pos, pages, table, m.kv_scale, scale, nullptr, 0, s.obar, s.lse, st, m.latent);
   }
 
   // Un-absorb per head (o[t, h] = W_UV,h obar[t, h]) and project.

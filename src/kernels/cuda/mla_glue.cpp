@@ -41,7 +41,8 @@ void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R
 
 void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                         const int32_t* row_pos, const Pages& pages, const BlockTable& block_table, float kv_scale,
-                        float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s) {
+                        float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s,
+                        LatentFormat format) {
   constexpr const char* fn = "mla_attend_generic";
   KESTREL_CHECK(H > 0 && C > 0 && R >= 0, "{}: bad shape H={} C={} R={}", fn, H, C, R);
   KESTREL_CHECK(H <= kMaxGridY * kGenericHeadsPerCta, "{}: H = {} heads, at most {}", fn, H,
@@ -58,9 +59,9 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, c
                 "{}: q_abs, row_req, row_pos, out and lse must be set", fn);
   KESTREL_CHECK(block_table.pages != nullptr && block_table.stride > 0,
                 "{}: the block table needs pages and a positive stride, got stride {}", fn, block_table.stride);
-  check_latent_pages(fn, pages, C + R);
+  check_latent_pages(fn, pages, static_cast<int>(latent_format_bytes(format, C, R)));
   KESTREL_CUDA_CHECK(detail::launch_mla_attend_generic(q_abs, rows, H, C, R, row_req, row_pos, pages, block_table,
-                                                       kv_scale, softmax_scale, indices, k, out, lse, s));
+                                                       kv_scale, softmax_scale, indices, k, out, lse, s, format));
 }
 
 void to_bf16_rows(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy, cudaStream_t s) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cuda/fp4_cache.cuh"
 #include "kernels/cuda/mla_glue.h"
 
 namespace kestrel::cuda::detail {
@@ -63,12 +64,20 @@ struct AttendParams {
   int k;
   float* out;
   float* lse;
+  LatentFormat format;
+  int entry_bytes;  // latent_format_bytes(format, C, R)
 };
 
 // The value the CPU reference reads back: fp32(e4m3 value * kv_scale). e4m3 -> f16 is exact.
 __device__ __forceinline__ float dequant(uint8_t code, float kv_scale) {
   const __half h(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3));
   return __fmul_rn(__half2float(h), kv_scale);
+}
+
+// Value i of a latent entry in the kernel's format.
+__device__ __forceinline__ float latent_value(const uint8_t* entry, int i, const AttendParams& p) {
+  return p.format == LatentFormat::nvfp4 ? fp4::nvfp4_latent_value(entry, i, p.C, p.kv_scale)
+                                         : dequant(entry[i], p.kv_scale);
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -131,7 +140,7 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
         const int64_t position = row_indices != nullptr ? int64_t{row_indices[j]} : j;
         if (position >= 0 && position <= pos) {
           const int64_t page = pages_of_req[position / p.pages.page_size];
-          row = p.pages.base + page * p.pages.page_stride + (position % p.pages.page_size) * width;
+          row = p.pages.base + page * p.pages.page_stride + (position % p.pages.page_size) * p.entry_bytes;
         }
       }
       row_s[tid] = row;
@@ -148,7 +157,7 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
 #pragma unroll
       for (int h = 0; h < kHeadsPerCta; ++h) dot[h] = 0.0f;
       for (int i = lane; i < width; i += 32) {
-        const float v = dequant(row[i], p.kv_scale);
+        const float v = latent_value(row, i, p);
 #pragma unroll
         for (int h = 0; h < kHeadsPerCta; ++h)
           if (h < nh) dot[h] = fmaf(q_s[h * width + i], v, dot[h]);
@@ -195,7 +204,7 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
       for (int c = 0; c < KC; ++c) {
         const int col = tid + c * kAttendThreads;
         if (col < p.C) {
-          const float v = dequant(row[col], p.kv_scale);
+          const float v = latent_value(row, col, p);
 #pragma unroll
           for (int h = 0; h < kHeadsPerCta; ++h)
             if (h < nh) acc[h][c] = fmaf(prob_s[h][j], v, acc[h][c]);
@@ -255,10 +264,11 @@ cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T
 cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                                       const int32_t* row_pos, const Pages& pages, const BlockTable& block_table,
                                       float kv_scale, float softmax_scale, const int32_t* indices, int k, float* out,
-                                      float* lse, cudaStream_t s) {
+                                      float* lse, cudaStream_t s, LatentFormat format) {
   if (rows == 0) return cudaSuccess;
+  const int entry_bytes = static_cast<int>(latent_format_bytes(format, C, R));
   const AttendParams p{q_abs, H, C, R, row_req, row_pos, pages, block_table, kv_scale, softmax_scale, indices, k,
-                       out, lse};
+                       out, lse, format, entry_bytes};
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((H + kHeadsPerCta - 1) / kHeadsPerCta));
   const int chunks = (C + kAttendThreads - 1) / kAttendThreads;
   if (chunks <= 1) {

@@ -15,7 +15,8 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/dsa.h"  // Pages, BlockTable
+#include "kernels/cuda/dsa.h"        // Pages, BlockTable
+#include "kernels/cuda/fp4_cache.h"  // LatentFormat
 
 namespace kestrel::cuda {
 
@@ -43,9 +44,14 @@ void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R
 // cpu::mla_attend_absorbed on the dequantised rows, up to fp32 rounding of the different summation order.
 // One CTA per (row, group of 8 heads) walks the row's whole context (no split over CTAs): meant for short contexts
 // and small models; the 576-wide kernels are the fast path.
+// format: how the entries are stored (fp4_cache.h); with LatentFormat::nvfp4 an entry is latent_format_bytes(nvfp4,
+// C, R) bytes (the pages' rows are that wide) and each value is decoded as MlaAttention::read_latent decodes it
+// (e2m1 * fp32(e4m3 block scale * kv_scale); tail code * kv_scale), the rest as above. The FP8-only tensor-core
+// kernels (dsa.h, mla_decode.h) do not read NVFP4: this is its attention on the GPU.
 void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                         const int32_t* row_pos, const Pages& pages, const BlockTable& block_table, float kv_scale,
-                        float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s);
+                        float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s,
+                        LatentFormat format = LatentFormat::fp8);
 
 // fp32 -> bf16 with a row pitch change, to feed the 576-wide tensor-core kernels: y[r, j] = bf16(x[r, j]) for
 // r < rows, j < cols (bit for bit f32_to_bf16: round to nearest even, NaN kept quiet with its sign); x leading dim
@@ -62,7 +68,7 @@ cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T
 cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                                       const int32_t* row_pos, const Pages& pages, const BlockTable& block_table,
                                       float kv_scale, float softmax_scale, const int32_t* indices, int k, float* out,
-                                      float* lse, cudaStream_t s);
+                                      float* lse, cudaStream_t s, LatentFormat format);
 cudaError_t launch_to_bf16_rows(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy,
                                 cudaStream_t s);
 }  // namespace detail
