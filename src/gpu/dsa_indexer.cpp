@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/dsa_generic.h"
+#include "kernels/cuda/fp4_cache.h"
 #include "kernels/cuda/linear_f32.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/runtime.h"
@@ -23,7 +24,10 @@ constexpr int kFastDim = cuda::kIndexHeadDim;
 
 bool power_of_two(int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
 
-bool fast_scores(int heads, int dim) { return dim == kFastDim && (heads == 32 || heads == 64); }
+// The tensor-core scores read FP8 keys only; MXFP4 keys go to the generic kernel, which converts them.
+bool fast_scores(int heads, int dim, IndexKeyDtype keys) {
+  return keys == IndexKeyDtype::fp8 && dim == kFastDim && (heads == 32 || heads == 64);
+}
 
 }  // namespace
 
@@ -98,8 +102,7 @@ int64_t DsaIndexerGpu::score_rows() const { return ws_->score_rows; }
 size_t DsaIndexerGpu::workspace_bytes() const { return ws_->bytes; }
 
 void DsaIndexerGpu::upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, DeviceArena& arena) {
-  KESTREL_CHECK(keys == IndexKeyDtype::fp8,
-                "the GPU engine keeps DSA index keys in FP8 (--index-dtype fp8), not mxfp4; use --device cpu");
+  keys_ = keys;
   heads_ = ix.n_heads;
   dim_ = ix.head_dim;
   top_k_ = cfg.index_topk;
@@ -110,10 +113,12 @@ void DsaIndexerGpu::upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDt
                     dim_ <= cuda::kMaxGenericIndexScoreDim,
                 "the GPU DSA indexer needs index_head_dim a power of two in [{}, {}], got {}",
                 cuda::kMinGenericIndexScoreDim, cuda::kMaxGenericIndexScoreDim, dim_);
-  KESTREL_CHECK(heads_ > 0 && (fast_scores(heads_, dim_) ||
+  KESTREL_CHECK(keys_ == IndexKeyDtype::fp8 || dim_ >= 32, "MXFP4 index keys need index_head_dim >= 32, got {}",
+                dim_);
+  KESTREL_CHECK(heads_ > 0 && (fast_scores(heads_, dim_, keys_) ||
                                int64_t{heads_} * dim_ <= cuda::kMaxGenericIndexQueryBytes),
                 "the GPU DSA indexer takes at most {} query bytes per token (index_n_heads * index_head_dim) unless "
-                "the head dimension is 128 with 32 or 64 heads; got {} heads of {}",
+                "the head dimension is 128 with 32 or 64 heads and FP8 keys; got {} heads of {}",
                 cuda::kMaxGenericIndexQueryBytes, heads_, dim_);
   const int64_t HD = int64_t{heads_} * dim_;
   KESTREL_CHECK(ix.wq_b.out() == HD && ix.wq_b.in() == q_in_, "DSA indexer: wq_b is [{}, {}], expected [{}, {}]",
@@ -160,7 +165,9 @@ void DsaIndexerGpu::write_keys(const float* x, int64_t N, const int64_t* slots, 
   cuda::layer_norm_f32(ws.keys, k_norm_w_, k_norm_b_, N, dim_, kIndexKeyNormEps, ws.keys, s);
   if (rope_dim_)
     cuda::rope_rows(ws.keys, N, dim_, 1, dim_, rope_dim_, cuda::RopeStyle::neox, positions, inv_freq_, s);
-  if (dim_ == kFastDim)
+  if (keys_ == IndexKeyDtype::mxfp4)
+    cuda::index_key_write_mxfp4(ws.keys, N, dim_, slots, key_pages, s);
+  else if (dim_ == kFastDim)
     cuda::index_key_write(ws.keys, cuda::KeyDtype::f32, static_cast<int>(N), /*hadamard=*/true, slots, key_pages, s);
   else
     cuda::index_key_write_generic(ws.keys, N, dim_, slots, key_pages, s);
@@ -234,11 +241,12 @@ void DsaIndexerGpu::score_rows_of(int64_t t0, int batch, int n_q, int32_t req0, 
   q.n_q = n_q;
   q.heads = heads_;
   const cuda::BlockTable table{block_table.pages + int64_t{req0} * block_table.stride, block_table.stride};
-  if (fast_scores(heads_, dim_))
+  if (fast_scores(heads_, dim_, keys_))
     cuda::index_scores_decode(q, key_pages, table, ctx_lens, max_ctx, cuda::IndexScoreMode::exact, ws.scores,
                               ws.max_model_len, s);
   else
-    cuda::index_scores_generic(q, dim_, key_pages, table, ctx_lens, max_ctx, ws.scores, ws.max_model_len, s);
+    cuda::index_scores_generic(q, dim_, key_pages, table, ctx_lens, max_ctx, ws.scores, ws.max_model_len, s,
+                               keys_ == IndexKeyDtype::mxfp4 ? cuda::IndexKeyFormat::mxfp4 : cuda::IndexKeyFormat::fp8);
   // Every position below max_ctx that a row can select has been scored; a top-k planned for the longest context
   // reads no more than that (its candidates end at each row's own position).
   int topk_ctx = max_ctx;

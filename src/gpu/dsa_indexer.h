@@ -14,7 +14,9 @@
 // make the GPU's selection differ from the CPU's by a position.
 //
 // Kernels. D = 128: index_key_write, and index_scores_decode (exact) when H_I is 32 or 64 (dsa.h); otherwise the
-// generic kernels of dsa_generic.h. Top-k: topk_decode. Single-token requests with consecutive request indices run
+// generic kernels of dsa_generic.h. MXFP4 keys (--index-dtype mxfp4): index_key_write_mxfp4 (fp4_cache.h) writes
+// them (Hadamard, then mxfp4_encode instead of the FP8 quantisation), and index_scores_generic reads them as the FP8
+// codes and scale of mxfp4_key_as_fp8, so their scores too are the CPU's bit for bit. Top-k: topk_decode. Single-token requests with consecutive request indices run
 // as one decode batch (n_q = 1); a request of several tokens runs as one batch of n_q = its tokens, in chunks of at
 // most score_rows() rows.
 //
@@ -61,9 +63,9 @@ class DsaIndexerGpu {
   // Uploads the indexer's weights (fp32: the projections feed FP8 quantisation and a top-k, so they follow the
   // reference as closely as fp32 allows) and takes workspaces for steps of up to max_tokens tokens, max_seqs
   // requests and max_model_len context from the arena. keys: the cache's index-key format. Error (named) for what
-  // is not implemented: MXFP4 index keys, a head dimension that is not a power of two in [4, 256] (or H_I * D >
-  // 8192 off the D = 128 fast path), a max_model_len past int32 or past what topk_decode holds on this device; and
-  // for weights whose shapes do not match cfg or a RoPE dimension larger than the head's.
+  // is not implemented: a head dimension that is not a power of two in [4, 256] ([32, 256] with MXFP4 keys; or
+  // H_I * D > 8192 off the D = 128, FP8-key fast path), a max_model_len past int32 or past what topk_decode holds on
+  // this device; and for weights whose shapes do not match cfg or a RoPE dimension larger than the head's.
   DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, int64_t max_tokens, int max_seqs,
                 int64_t max_model_len, DeviceArena& arena);
   // The same, sharing `workspace` (from workspace() of another layer's indexer of the same model) instead of taking
@@ -114,6 +116,7 @@ class DsaIndexerGpu {
   int heads_ = 0, dim_ = 0, top_k_ = 0;
   int rope_dim_ = 0;                  // 0: no RoPE
   const float* inv_freq_ = nullptr;   // [rope_dim_ / 2] with RoPE
+  IndexKeyDtype keys_ = IndexKeyDtype::fp8;
   int64_t hidden_ = 0, q_in_ = 0;
   const float *wq_b_ = nullptr, *wk_ = nullptr, *k_norm_w_ = nullptr, *k_norm_b_ = nullptr, *w_proj_ = nullptr;
   size_t weight_bytes_ = 0;

@@ -11,6 +11,7 @@
 #include "core/formats.h"
 #include "gpu/dsa_indexer.h"
 #include "kernels/cuda/dsa.h"
+#include "kernels/cuda/fp4_cache.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_glue.h"
@@ -62,6 +63,8 @@ struct DMla {
   const uint16_t* kv_b = nullptr;  // bf16 [H * (dn + dv), C]
   float kv_scale = 1.0f;
   const float* inv_freq = nullptr;  // [R / 2] with RoPE (deepseek_v32): MlaAttention's table
+  cuda::LatentEntry entry = cuda::LatentEntry::kimi_fp8;  // the cache's latent entry layout
+  IndexKeyDtype keys = IndexKeyDtype::fp8;
 };
 
 struct DFfn {
@@ -163,10 +166,13 @@ struct GpuWeightAccess {
 
   static gpu::DMla mla(const MlaAttention& m, gpu::Uploader& up) {
     const ModelConfig& cfg = m.cfg_;
-    KESTREL_CHECK(m.latent_ == LatentCacheDtype::fp8,
-                  "the GPU engine keeps the MLA latent in FP8 (--kv-cache-dtype fp8), not {}",
-                  m.latent_ == LatentCacheDtype::nvfp4 ? "nvfp4" : "fp32");
+    KESTREL_CHECK(m.latent_ != LatentCacheDtype::auto_fp32,
+                  "the GPU engine keeps the MLA latent in FP8 or NVFP4 (--kv-cache-dtype fp8 or nvfp4), not fp32");
     gpu::DMla d;
+    d.entry = m.latent_ == LatentCacheDtype::nvfp4 ? cuda::LatentEntry::nvfp4
+              : cfg.arch == Arch::deepseek_v32     ? cuda::LatentEntry::v32_fp8
+                                                   : cuda::LatentEntry::kimi_fp8;
+    d.keys = m.keys_;
     if (m.q_a_) {
       d.q_a = up.linear(*m.q_a_, "MLA q_a_proj");
       d.q_a_norm = up.f32(m.q_a_norm_, "MLA q_a_layernorm");
@@ -587,8 +593,10 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
   const bool chunked_kda = host_.options().kda_chunked_prefill;
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const DLayer& L = w_->layers[l];
-    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == latent_entry_bytes(cfg, LatentCacheDtype::fp8) &&
-                              plan.index_key_bytes[l] == index_key_entry_bytes(cfg, IndexKeyDtype::fp8)
+    KESTREL_CHECK(L.mla ? plan.latent_bytes[l] == latent_entry_bytes(cfg, L.mla->entry == cuda::LatentEntry::nvfp4
+                                                                         ? LatentCacheDtype::nvfp4
+                                                                         : LatentCacheDtype::fp8) &&
+                              plan.index_key_bytes[l] == index_key_entry_bytes(cfg, L.mla->keys)
                         : plan.state_row[l] >= 0,
                   "the cache plan does not match layer {} of the model on the GPU", l);
   }
@@ -1080,13 +1088,14 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   s.gemm.linear(s.x_bf, N, D, D, m.kv_a.w, C + R, s.kv, C + R, st);
   cuda::rms_norm_f32(s.kv, C + R, m.kv_a_norm, N, C, kLatentNormEps, s.kv, C + R, st);
   // deepseek_v32: interleaved RoPE on k_pe before it is cached, and its own FP8 entry (tiles of 128, bf16 tail).
-  const bool v32 = cfg.arch == Arch::deepseek_v32;
-  const cuda::LatentEntry entry = v32 ? cuda::LatentEntry::v32_fp8 : cuda::LatentEntry::kimi_fp8;
   if (m.inv_freq)
     cuda::rope_rows(s.kv + C, N, C + R, 1, R, static_cast<int>(R), cuda::RopeStyle::interleaved, d_row_pos, m.inv_freq,
                     st);
-  if (v32)
+  if (m.entry == cuda::LatentEntry::v32_fp8)
     cuda::mla_latent_write_v32(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), d_slots, pages, st);
+  else if (m.entry == cuda::LatentEntry::nvfp4)
+    cuda::mla_latent_write_nvfp4(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages,
+                                 st);
   else
     cuda::mla_latent_write_fp8(s.kv, C + R, N, static_cast<int>(C), static_cast<int>(R), m.kv_scale, d_slots, pages,
                                st);
@@ -1128,7 +1137,9 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     indexer->select(s.xf, qlr ? s.qa : s.xf, N, d_row_pos, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
   }
   const int k = s.index_topk;
-  if (indexer && fast_mla(cfg)) {
+  // The tensor-core kernels read Kimi's FP8 latent only; deepseek_v32's and NVFP4 latents go to the generic kernel.
+  const bool fast_latent = fast_mla(cfg) && m.entry == cuda::LatentEntry::kimi_fp8;
+  if (indexer && fast_latent) {
     // Sparse MLA over the selected positions: one launch for the single generated tokens, one per prompt.
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
     auto run = [&](int b0, int batch_n, int n_q) {
@@ -1152,9 +1163,9 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     if (ord.decode > 0) run(0, ord.decode, 1);
     for (int j = ord.decode; j < S; ++j) run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]));
   } else if (indexer) {
-    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), entry,
+    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), m.entry,
                              d_row_req, d_row_pos, pages, table, m.kv_scale, scale, s.indices, k, s.obar, s.lse, st);
-  } else if (fast_mla(cfg)) {
+  } else if (fast_latent) {
     // Tensor-core decode kernel: one launch for the single generated tokens, one per prompt (its tokens are the
     // causal queries of one request).
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
@@ -1198,7 +1209,7 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     for (int j = ord.decode; j < S; ++j)
       run(j, 1, static_cast<int>(ord.first[j + 1] - ord.first[j]), ctx_of(j));
   } else {
-    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), entry,
+    cuda::mla_attend_generic(s.q_abs, N, static_cast<int>(H), static_cast<int>(C), static_cast<int>(R), m.entry,
                              d_row_req, d_row_pos, pages, table, m.kv_scale, scale, nullptr, 0, s.obar, s.lse, st);
   }
 

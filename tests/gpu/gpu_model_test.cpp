@@ -536,5 +536,57 @@ INSTANTIATE_TEST_SUITE_P(Small, GpuEngineAboveTopK,
                          ::testing::Values(Case{Arch::kimi_k3, "small"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(arch_name(info.param.arch)); });
 
+// kimi_k3 with the 4-bit cache formats (--kv-cache-dtype nvfp4, --index-dtype mxfp4): the NVFP4 latent goes through
+// the generic MLA kernel and the MXFP4 keys through the generic scores. The reference runs with the same formats, so
+// both sides read the same kind of bytes: the GPU's writers are the CPU's encoders bit for bit and its readers decode
+// as read_latent and mxfp4_key_as_fp8 do (tests/kernels/cuda/fp4_cache_test.cpp). What is left is what the FP8 runs
+// have -- fp32 sums in other orders, and a rare value within rounding of a code boundary -- so the bounds are
+// theirs: a 4-bit code boundary is a bigger step than an FP8 one, but it is crossed on the same rare occasions (an
+// input within fp32 rounding of it), which the typical-position bounds absorb; a wrong decode moves every position.
+const Model& fp4_cache_model(const Case& c, bool bf16_activations) {
+  static std::map<std::string, std::unique_ptr<Model>> models;
+  auto& m = models[std::string(c.preset) + (bf16_activations ? "b" : "f")];
+  if (!m) {
+    ModelOptions o;
+    o.latent_cache = LatentCacheDtype::nvfp4;
+    o.index_keys = IndexKeyDtype::mxfp4;
+    o.bf16_activations = bf16_activations;
+    m = Model::load(model_dir(c), o);
+  }
+  return *m;
+}
+
+class GpuEngineFp4Cache : public GpuEngine {};
+
+TEST_P(GpuEngineFp4Cache, BatchOfPromptsAndDecodesMatchesCpu) {
+  const Model& m = fp4_cache_model(GetParam(), true);
+  const Model& exact = fp4_cache_model(GetParam(), false);
+  const int64_t V = m.config().vocab_size;
+  run_and_compare(GetParam(), m, exact,
+                  {random_prompt(200, 1, V), random_prompt(7, 2, V), random_prompt(1, 3, V), random_prompt(100, 4, V)},
+                  8, std::string(GetParam().preset) + " nvfp4 latent, mxfp4 keys");
+}
+
+// A few tokens of one request, held to the tight bound of EveryPrefixOfTheLayersMatchesCpu.
+TEST_P(GpuEngineFp4Cache, FewTokensMatchCpu) {
+  const Model& m = fp4_cache_model(GetParam(), true);
+  const std::vector<int32_t> prompt = random_prompt(5, 9, m.config().vocab_size);
+  EngineConfig cfg = engine_config();
+  auto gpu = attach_fp32_kda(m, cfg, 0.1, nullptr);
+  Engine e(m, cfg);
+  SamplingParams sp;
+  sp.max_tokens = 2;
+  sp.ignore_eos = true;
+  e.add_request(prompt, sp, 0, true);
+  const RequestOutput out = e.run_to_completion().at(0);
+  const std::vector<float> r = compare(m, prompt, out.completions.at(0), 2, "nvfp4/mxfp4, 5 tokens");
+  ASSERT_FALSE(r.empty());
+  EXPECT_LE(*std::max_element(r.begin(), r.end()), kLogitBound);
+}
+
+INSTANTIATE_TEST_SUITE_P(KimiK3, GpuEngineFp4Cache,
+                         ::testing::Values(Case{Arch::kimi_k3, "tiny"}, Case{Arch::kimi_k3, "small"}),
+                         [](const auto& info) { return std::string(info.param.preset); });
+
 }  // namespace
 }  // namespace kestrel

@@ -67,7 +67,7 @@ void index_key_write_generic(const float* keys, int64_t T, int head_dim, const i
 
 void index_scores_generic(const IndexQueries& queries, int head_dim, const Pages& index_pages,
                           const BlockTable& block_table, const int32_t* ctx_lens, int max_ctx_len, float* scores,
-                          int64_t score_stride, cudaStream_t s) {
+                          int64_t score_stride, cudaStream_t s, IndexKeyFormat keys) {
   constexpr const char* fn = "index_scores_generic";
   KESTREL_CHECK(power_of_two(head_dim) && head_dim >= kMinGenericIndexScoreDim && head_dim <= kMaxGenericIndexScoreDim,
                 "{}: head_dim must be a power of two in [{}, {}], got {}", fn, kMinGenericIndexScoreDim,
@@ -87,9 +87,11 @@ void index_scores_generic(const IndexQueries& queries, int head_dim, const Pages
   KESTREL_CHECK(aligned4(queries.codes), "{}: the query codes must be 4-byte aligned", fn);
   KESTREL_CHECK(block_table.pages != nullptr && block_table.stride > 0,
                 "{}: the block table needs pages and a positive stride, got stride {}", fn, block_table.stride);
+  KESTREL_CHECK(keys == IndexKeyFormat::fp8 || head_dim >= 32, "{}: MXFP4 keys need head_dim >= 32, got {}", fn,
+                head_dim);
   check_key_pages(fn, index_pages, head_dim);
   KESTREL_CUDA_CHECK(detail::launch_index_scores_generic(queries, head_dim, index_pages, block_table, ctx_lens,
-                                                         max_ctx_len, scores, score_stride, s));
+                                                         max_ctx_len, scores, score_stride, s, keys));
 }
 
 void shift_ctx_lens(const int32_t* ctx_lens, int n, int32_t shift, int32_t* out, cudaStream_t s) {

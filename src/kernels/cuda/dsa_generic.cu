@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/dsa_generic.h"
+#include "kernels/cuda/fp4_cache.cuh"
 
 namespace kestrel::cuda::detail {
 namespace {
@@ -115,6 +116,7 @@ struct ScoreParams {
   int max_ctx;
   float* scores;
   int64_t stride;
+  IndexKeyFormat keys;
 };
 
 // e4m3 code -> its value, exactly, as a double (NaN for 0x7F / 0xFF).
@@ -159,8 +161,10 @@ __global__ __launch_bounds__(kScoreThreads) void scores_generic_kernel(ScorePara
   const int words = p.D / 4;
 
   for (int b = tid; b < 256; b += kScoreThreads) lut[b] = e4m3_value(b);
-  // The key tile, word by word: consecutive threads read consecutive words of a key row.
-  for (int idx = tid; idx < kScoreThreads * words; idx += kScoreThreads) {
+  const bool mxfp4 = p.keys == IndexKeyFormat::mxfp4;
+  // The key tile, word by word: consecutive threads read consecutive words of a key row. (An MXFP4 key is converted
+  // into its tile row by its own thread below.)
+  for (int idx = tid; !mxfp4 && idx < kScoreThreads * words; idx += kScoreThreads) {
     const int key = idx / words, word = idx % words;
     const int pos = s0 + key;
     if (pos >= ctx) break;  // idx only grows, and so does pos
@@ -173,7 +177,13 @@ __global__ __launch_bounds__(kScoreThreads) void scores_generic_kernel(ScorePara
   if (s < ctx) {
     const int page = p.bt.pages[static_cast<int64_t>(r) * p.bt.stride + s / p.pages.page_size];
     const uint8_t* page_base = p.pages.base + static_cast<int64_t>(page) * p.pages.page_stride;
-    k_scale = reinterpret_cast<const float*>(page_base + int64_t{p.pages.page_size} * p.D)[s & (p.pages.page_size - 1)];
+    const int64_t row = s & (p.pages.page_size - 1);
+    if (mxfp4)  // the FP8 codes and scale the CPU scores it as (mxfp4_key_as_fp8)
+      k_scale = fp4::mxfp4_key_as_fp8(page_base + row * (p.D / 2),
+                                      page_base + int64_t{p.pages.page_size} * (p.D / 2) + row * (p.D / 32), p.D,
+                                      key_tile + tid * key_row);
+    else
+      k_scale = reinterpret_cast<const float*>(page_base + int64_t{p.pages.page_size} * p.D)[row];
   }
   const uint32_t* my_key = reinterpret_cast<const uint32_t*>(key_tile + tid * key_row);
 
@@ -238,10 +248,10 @@ cudaError_t launch_index_key_write_generic(const float* keys, int64_t T, int hea
 
 cudaError_t launch_index_scores_generic(const IndexQueries& queries, int head_dim, const Pages& index_pages,
                                         const BlockTable& block_table, const int32_t* ctx_lens, int max_ctx_len,
-                                        float* scores, int64_t score_stride, cudaStream_t s) {
+                                        float* scores, int64_t score_stride, cudaStream_t s, IndexKeyFormat keys) {
   if (queries.batch == 0 || max_ctx_len == 0) return cudaSuccess;
   const ScoreParams p{queries.codes, queries.weights, queries.n_q, queries.heads, head_dim, index_pages,
-                      block_table,   ctx_lens,        max_ctx_len, scores,        score_stride};
+                      block_table,   ctx_lens,        max_ctx_len, scores,        score_stride, keys};
   const dim3 grid(static_cast<unsigned>((max_ctx_len + kScoreThreads - 1) / kScoreThreads),
                   static_cast<unsigned>(queries.batch),
                   static_cast<unsigned>((queries.n_q + kScoreTokens - 1) / kScoreTokens));

@@ -20,7 +20,8 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/dsa.h"  // Pages, BlockTable, IndexQueries
+#include "kernels/cuda/dsa.h"        // Pages, BlockTable, IndexQueries
+#include "kernels/cuda/fp4_cache.h"  // IndexKeyFormat
 
 namespace kestrel::cuda {
 
@@ -60,9 +61,12 @@ void index_key_write_generic(const float* keys, int64_t T, int head_dim, const i
 // order. queries.heads >= 1 (any count); queries.codes 4-byte aligned; head_dim a power of two in
 // [kMinGenericIndexScoreDim, kMaxGenericIndexScoreDim], heads * head_dim <= kMaxGenericIndexQueryBytes;
 // batch <= 65535; index pages with page_size * head_dim a multiple of 4.
+// keys: the index pages' format (fp4_cache.h). An MXFP4 key (head_dim >= 32) is first turned into D e4m3 codes and
+// one scale exactly as mxfp4_key_as_fp8 (src/model/layers.cpp) does, the form MlaAttention scores it in; the scores
+// are then those of the FP8 key those codes and that scale make, bit for bit as the CPU's.
 void index_scores_generic(const IndexQueries& queries, int head_dim, const Pages& index_pages,
                           const BlockTable& block_table, const int32_t* ctx_lens, int max_ctx_len, float* scores,
-                          int64_t score_stride, cudaStream_t s);
+                          int64_t score_stride, cudaStream_t s, IndexKeyFormat keys = IndexKeyFormat::fp8);
 
 // out[i] = ctx_lens[i] - shift for i < n: the context lengths of leading parts of requests, so that the decode
 // kernels (whose query rows are the last n_q tokens of a context) can take a long prompt's rows in chunks.
@@ -80,7 +84,7 @@ cudaError_t launch_index_key_write_generic(const float* keys, int64_t T, int hea
                                            const int64_t* slots, const Pages& index_pages, cudaStream_t s);
 cudaError_t launch_index_scores_generic(const IndexQueries& queries, int head_dim, const Pages& index_pages,
                                         const BlockTable& block_table, const int32_t* ctx_lens, int max_ctx_len,
-                                        float* scores, int64_t score_stride, cudaStream_t s);
+                                        float* scores, int64_t score_stride, cudaStream_t s, IndexKeyFormat keys);
 cudaError_t launch_shift_ctx_lens(const int32_t* ctx_lens, int n, int32_t shift, int32_t* out, cudaStream_t s);
 }  // namespace detail
 

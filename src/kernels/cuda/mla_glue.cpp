@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "kernels/cuda/fp4_cache.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/cuda/v32_glue.h"
 
@@ -54,8 +55,8 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, L
                         int k, float* out, float* lse, cudaStream_t s) {
   constexpr const char* fn = "mla_attend_generic";
   KESTREL_CHECK(H > 0 && C > 0 && R >= 0, "{}: bad shape H={} C={} R={}", fn, H, C, R);
-  KESTREL_CHECK(entry == LatentEntry::kimi_fp8 || entry == LatentEntry::v32_fp8, "{}: unknown latent entry layout",
-                fn);
+  KESTREL_CHECK(entry == LatentEntry::kimi_fp8 || entry == LatentEntry::v32_fp8 || entry == LatentEntry::nvfp4,
+                "{}: unknown latent entry layout", fn);
   KESTREL_CHECK(entry != LatentEntry::v32_fp8 || (C % 128 == 0 && R % 2 == 0),
                 "{}: deepseek_v32 latent entries need C a multiple of 128 and R even, got C={} R={}", fn, C, R);
   KESTREL_CHECK(H <= kMaxGridY * kGenericHeadsPerCta, "{}: H = {} heads, at most {}", fn, H,
@@ -77,6 +78,8 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, L
     KESTREL_CHECK(reinterpret_cast<uintptr_t>(pages.base) % 4 == 0 && pages.page_stride % 4 == 0,
                   "{}: deepseek_v32 latent pages need a 4-byte aligned base and page stride, got stride {}", fn,
                   pages.page_stride);
+  } else if (entry == LatentEntry::nvfp4) {
+    check_latent_pages(fn, pages, static_cast<int>(latent_format_bytes(LatentFormat::nvfp4, C, R)));
   } else {
     check_latent_pages(fn, pages, C + R);
   }

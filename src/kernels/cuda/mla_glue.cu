@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cuda/fp4_cache.cuh"
+#include "kernels/cuda/fp4_cache.h"
 #include "kernels/cuda/mla_glue.h"
 #include "kernels/cuda/v32_glue.h"
 
@@ -78,6 +80,8 @@ template <LatentEntry kEntry>
 __device__ __forceinline__ float latent_value(const uint8_t* entry, int i, int C, float kv_scale) {
   if constexpr (kEntry == LatentEntry::kimi_fp8) {
     return dequant(entry[i], kv_scale);
+  } else if constexpr (kEntry == LatentEntry::nvfp4) {
+    return fp4::nvfp4_latent_value(entry, i, C, kv_scale);
   } else {
     // [C codes ; C / 128 fp32 tile scales ; R bf16]: the scales and the tail are aligned (v32_glue.h).
     if (i < C) return dequant(entry[i], reinterpret_cast<const float*>(entry + C)[i / 128]);
@@ -287,12 +291,15 @@ cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, i
                                       const BlockTable& block_table, float kv_scale, float softmax_scale,
                                       const int32_t* indices, int k, float* out, float* lse, cudaStream_t s) {
   if (rows == 0) return cudaSuccess;
-  const bool v32 = entry == LatentEntry::v32_fp8;
-  const int64_t entry_bytes = v32 ? v32_latent_entry_bytes(C, R) : int64_t{C} + R;
+  const int64_t entry_bytes = entry == LatentEntry::v32_fp8 ? v32_latent_entry_bytes(C, R)
+                              : entry == LatentEntry::nvfp4  ? latent_format_bytes(LatentFormat::nvfp4, C, R)
+                                                             : int64_t{C} + R;
   const AttendParams p{q_abs, H, C, R, entry_bytes, row_req, row_pos, pages, block_table, kv_scale, softmax_scale,
                        indices, k, out, lse};
-  if (v32)
+  if (entry == LatentEntry::v32_fp8)
     launch_attend_generic<LatentEntry::v32_fp8>(p, rows, s);
+  else if (entry == LatentEntry::nvfp4)
+    launch_attend_generic<LatentEntry::nvfp4>(p, rows, s);
   else
     launch_attend_generic<LatentEntry::kimi_fp8>(p, rows, s);
   return cudaGetLastError();

@@ -38,6 +38,9 @@ enum class LatentEntry {
              // tail in bf16, v32_latent_entry_bytes(C, R) bytes; value = fp32(code * tile scale) for c and the bf16
              // value for k_pe, as MlaAttention::read_latent; kv_scale is not applied. C a multiple of 128, R even,
              // pages 4-byte aligned.
+  nvfp4,     // Kimi's NVFP4 entry (fp4_cache.h: latent_format_bytes(LatentFormat::nvfp4, C, R) bytes); each value as
+             // read_latent decodes it: e2m1 * fp32(e4m3 block scale * kv_scale), the tail code * kv_scale. The FP8-only
+             // tensor-core kernels (dsa.h, mla_decode.h) do not read it: this is its attention on the GPU.
 };
 
 // Generic absorbed attention for any C, R (C + R <= kMaxGenericLatentWidth), one query row per token and every head:
