@@ -25,10 +25,11 @@ inline constexpr int kFp8RowsPerPass = 8;
 
 // y[M, N] = x[M, K] · W^T: x bf16 bits with leading dimension ldx (>= K), y fp32 (or, with the _bf16 form, bf16 bits
 // rounded to nearest even) with leading dimension ldy (>= N). M may be 0 (no-op).
-// Each output is Σ over the 16-column pieces of its row of W, in ascending order within a warp's share and then the
-// warps' shares in a fixed order, of scale * (Σ_k x[m, k] * e4m3(code[n, k])): the value x · W of the CPU reference
-// up to fp32 rounding order (every x · e4m3 product is exact in fp32, the CPU's W[n, k] = e4m3 * scale is rounded
-// once). No atomics: the same inputs give the same bits on every call and for every M.
+// Each output is an fp32 sum in a fixed order of scale * (Σ_k x[m, k] * e4m3(code[n, k])) over 16-column pieces of
+// its row of W (each lane adds its pieces in ascending order, then a butterfly over the 8 lanes of a row, then the 8
+// warps in order): the value x · W of the CPU reference up to fp32 rounding order (every x · e4m3 product is exact
+// in fp32; the CPU's W[n, k] = e4m3 * scale is rounded once). No atomics: the same inputs give the same bits on
+// every call, and a row's bits do not depend on M.
 // Throws kestrel::Error unless N, K >= 1, block is a positive multiple of 16, the scale grid is as above (implied),
 // ldx >= K, ldy >= N, M >= 0 and the pointers are set when M > 0.
 void linear_fp8(const uint16_t* x, int64_t M, int64_t ldx, const Fp8BlockMatrix& w, float* y, int64_t ldy,
