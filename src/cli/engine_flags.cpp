@@ -22,6 +22,7 @@ ModelOptions EngineFlags::model_options() const {
     o.kda_chunked_prefill = false;
   }
   else if (kda_prefill != "chunked") fail("--kda-prefill '{}' is not one of chunked, recurrent", kda_prefill);
+  o.keep_fp8_weights = resolved_device() == "cuda";  // the GPU streams FP8-stored linears in FP8
   return o;
 }
 

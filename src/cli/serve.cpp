@@ -72,6 +72,7 @@ int run_serve(ServeArgs& a) {
   else if (a.index_cache_dtype != "fp8") fail("--index-cache-dtype '{}' is not one of fp8, mxfp4", a.index_cache_dtype);
   // Batch invariance holds on the CPU already; this also makes every split of a prompt give the same bits.
   if (a.batch_invariant) o.model.kda_chunked_prefill = false;
+  o.model.keep_fp8_weights = device == "cuda";  // the GPU streams FP8-stored linears in FP8
   o.engine.enable_prefix_caching = a.enable_prefix_caching;
   o.engine.cache_bytes = a.kv_cache_memory_bytes;
   o.attach_device = device_attach(device, a.gpu_memory_utilization);

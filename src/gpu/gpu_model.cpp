@@ -13,6 +13,7 @@
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/fp4_cache.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_fp8.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_glue.h"
 #include "kernels/cuda/kda_tc.h"
@@ -47,6 +48,8 @@ namespace gpu {
 struct DLinear {
   const uint16_t* w = nullptr;  // bf16 [out, in]
   int64_t out = 0, in = 0;
+  // The checkpoint's FP8 codes and block scales (Linear::fp8), when it stores the weight so; see linear() below.
+  std::optional<cuda::Fp8BlockMatrix> fp8;
 };
 
 struct DKda {
@@ -119,10 +122,35 @@ class Uploader {
     copy(d, h.data(), n * sizeof(uint16_t));
     return d;
   }
-  DLinear linear(const Linear& l, const char* what) { return {bf16({&l.w}, what), l.out(), l.in()}; }
+  DLinear linear(const Linear& l, const char* what) {
+    DLinear d{bf16({&l.w}, what), l.out(), l.in(), {}};
+    if (l.fp8) d.fp8 = fp8_block({&*l.fp8}, d.out, d.in, what);
+    return d;
+  }
   DLinear stacked(const Linear& a, const Linear& b, const char* what) {
     KESTREL_CHECK(a.in() == b.in(), "{}: stacked weights of different widths", what);
-    return {bf16({&a.w, &b.w}, what), a.out() + b.out(), a.in()};
+    DLinear d{bf16({&a.w, &b.w}, what), a.out() + b.out(), a.in(), {}};
+    // The scale rows stack when a's rows end on a block boundary (DeepSeek-V3.2's widths are multiples of 128).
+    if (a.fp8 && b.fp8 && a.fp8->block == b.fp8->block && a.out() % a.fp8->block == 0)
+      d.fp8 = fp8_block({&*a.fp8, &*b.fp8}, d.out, d.in, what);
+    return d;
+  }
+  // FP8 codes and scales of weights stacked by rows, all of one block size; none for a block the kernel does not
+  // take (not a multiple of 16: such a weight runs on its bf16 copy at every size).
+  std::optional<cuda::Fp8BlockMatrix> fp8_block(const std::vector<const Fp8BlockWeight*>& parts, int64_t out,
+                                                int64_t in, const char* what) {
+    const int block = parts[0]->block;
+    if (block % 16 != 0) return std::nullopt;
+    std::vector<uint8_t> codes;
+    std::vector<float> scales;
+    for (const Fp8BlockWeight* p : parts) {
+      codes.insert(codes.end(), p->codes.begin(), p->codes.end());
+      scales.insert(scales.end(), p->scales.begin(), p->scales.end());
+    }
+    KESTREL_CHECK(static_cast<int64_t>(codes.size()) == out * in &&
+                      static_cast<int64_t>(scales.size()) == (out + block - 1) / block * ((in + block - 1) / block),
+                  "{}: FP8 codes and scales do not match a [{}, {}] weight", what, out, in);
+    return cuda::Fp8BlockMatrix{bytes(codes, what), f32(scales.data(), scales.size(), what), out, in, block};
   }
   const uint8_t* bytes(const std::vector<uint8_t>& h, const char* what) {
     uint8_t* d = arena_.take_n<uint8_t>(h.size(), what);
@@ -339,6 +367,36 @@ struct StepScratch {
   size_t sample_ws_bytes = 0;
   std::unique_ptr<Staging> sample_staging;
 };
+
+// A linear layer over M tokens: y[M, out] = x[M, in] · W^T, x bf16 and y fp32 (or bf16), rows contiguous.
+// A weight the checkpoint stores in FP8 is on the GPU twice, as its FP8 codes and scales and as bf16. Steps of up
+// to kFp8MaxRows tokens (decode batches) stream the FP8 form: half the bytes, and the kernel is bound by them at
+// such sizes. Larger steps run cuBLASLt on the bf16 copy: the FP8 kernel multiplies on the CUDA cores (about 33e12
+// fp32 FMAs/s on an H200 against about 4e12 weight bytes/s), so past a few rows it is bound by its arithmetic and
+// slower than the bf16 tensor-core GEMM; dequantising into a bf16 scratch per layer instead would add 3 bytes of
+// traffic per weight, slower than the resident bf16 copy for every step of up to hundreds of tokens. The cost is
+// one byte per weight of GPU memory for these linears (the attention projections and dense FFNs; not the routed
+// experts). The FP8 result is the reference's x · (code * scale) up to fp32 rounding order; the bf16 copy rounds
+// the weight (code * scale is not in general a bf16 value), as for any other checkpoint format.
+namespace {
+
+constexpr int64_t kFp8MaxRows = cuda::kFp8RowsPerPass;
+
+void linear(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, float* y, cudaStream_t st) {
+  if (l.fp8 && M <= kFp8MaxRows)
+    cuda::linear_fp8(x, M, l.in, *l.fp8, y, l.out, st);
+  else
+    s.gemm.linear(x, M, l.in, l.in, l.w, l.out, y, l.out, st);
+}
+
+void linear_bf16(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, uint16_t* y, cudaStream_t st) {
+  if (l.fp8 && M <= kFp8MaxRows)
+    cuda::linear_fp8_bf16(x, M, l.in, *l.fp8, y, l.out, st);
+  else
+    s.gemm.linear_bf16(x, M, l.in, l.in, l.w, l.out, y, l.out, st);
+}
+
+}  // namespace
 
 }  // namespace gpu
 
@@ -797,7 +855,7 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
       const DLinear* proj[3] = {&k.q, &k.k, &k.v};
       float* outs[3] = {s.q, s.k, s.v};
       for (int c = 0; c < 3; ++c) {
-        s.gemm.linear(s.x_bf, N, D, D, proj[c]->w, P, s.raw, P, st);
+        linear(s, *proj[c], s.x_bf, N, s.raw, st);
         for (int j = 0; j < S; ++j) {
           const SequenceStep& q = seqs[ord.seq[j]];
           const float* hist = state_base(q.state_rows[g], l) + Hk * dk * dk + c * hist_floats;
@@ -812,9 +870,9 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
         }
         cuda::short_conv_silu_varlen(s.raw, t.cu, S, P, conv_w[c], static_cast<int>(Wc), t.hist[l][c], outs[c], st);
       }
-      s.gemm.linear_bf16(s.x_bf, N, D, D, k.f_a.w, dk, s.low_bf, dk, st);
-      s.gemm.linear(s.low_bf, N, dk, dk, k.f_b.w, P, s.gate, P, st);
-      s.gemm.linear(s.x_bf, N, D, D, k.b.w, Hk, s.beta, Hk, st);
+      linear_bf16(s, k.f_a, s.x_bf, N, s.low_bf, st);
+      linear(s, k.f_b, s.low_bf, N, s.gate, st);
+      linear(s, k.b, s.x_bf, N, s.beta, st);
       cuda::KdaInputs in;
       in.q = s.q;
       in.k = s.k;
@@ -893,10 +951,10 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
                                              Hk * dk * dk * sizeof(float), cudaMemcpyDeviceToDevice, st));
       }
       // Output gate and norm, then o_proj.
-      s.gemm.linear_bf16(s.x_bf, N, D, D, k.g_a.w, dk, s.low_bf, dk, st);
-      s.gemm.linear(s.low_bf, N, dk, dk, k.g_b.w, P, s.gout, P, st);
+      linear_bf16(s, k.g_a, s.x_bf, N, s.low_bf, st);
+      linear(s, k.g_b, s.low_bf, N, s.gout, st);
       cuda::kda_gated_rmsnorm_bf16(s.o, s.gout, k.o_norm, N, H, d, cfg.rms_norm_eps, s.o_bf, st);
-      s.gemm.linear(s.o_bf, N, P, P, k.o.w, D, s.y, D, st);
+      linear(s, k.o, s.o_bf, N, s.y, st);
     } else {
       mla_layer(*L.mla, l, batch, t);
     }
@@ -1079,13 +1137,13 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   const CachePlan& plan = *batch.plan;
   StepScratch& s = *s_;
   const cudaStream_t st = stream_;
-  const int64_t D = cfg.hidden_size, H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
+  const int64_t H = cfg.num_attention_heads, C = cfg.kv_lora_rank, R = cfg.qk_rope_head_dim;
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, dq = cfg.qk_head_dim(), qlr = cfg.q_lora_rank;
   const cuda::Pages pages{batch.pool + plan.page_offset[l], plan.row_bytes, plan.block_size};
   const cuda::BlockTable table{d_bt, static_cast<int>(bt_stride)};
 
   // The new tokens' latents first: a token attends to itself.
-  s.gemm.linear(s.x_bf, N, D, D, m.kv_a.w, C + R, s.kv, C + R, st);
+  linear(s, m.kv_a, s.x_bf, N, s.kv, st);
   cuda::rms_norm_f32(s.kv, C + R, m.kv_a_norm, N, C, kLatentNormEps, s.kv, C + R, st);
   // deepseek_v32: interleaved RoPE on k_pe before it is cached, and its own FP8 entry (tiles of 128, bf16 tail).
   if (m.inv_freq)
@@ -1103,12 +1161,12 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   // Queries, absorbed per head: q_abs[t, h] = [W_UK,h^T q_nope ; q_pe].
   if (m.q_a) {
     // qr (the normed query latent) in fp32 for the indexer, in bf16 for q_b.
-    s.gemm.linear(s.x_bf, N, D, D, m.q_a->w, qlr, s.qa, qlr, st);
+    linear(s, *m.q_a, s.x_bf, N, s.qa, st);
     cuda::rms_norm_f32(s.qa, qlr, m.q_a_norm, N, qlr, kLatentNormEps, s.qa, qlr, st);
     cuda::to_bf16(s.qa, N * qlr, s.qa_bf, st);
-    s.gemm.linear(s.qa_bf, N, qlr, qlr, m.q_b->w, H * dq, s.mq, H * dq, st);
+    linear(s, *m.q_b, s.qa_bf, N, s.mq, st);
   } else {
-    s.gemm.linear(s.x_bf, N, D, D, m.q_proj->w, H * dq, s.mq, H * dq, st);
+    linear(s, *m.q_proj, s.x_bf, N, s.mq, st);
   }
   // Interleaved RoPE on each head's q_pe (fp32, before q_nope is rounded to bf16 for the absorption).
   if (m.inv_freq)
@@ -1218,7 +1276,7 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
   s.gemm.batched(s.obar_bf, H * C, C, m.kv_b + dn * C, C, (dn + dv) * C, /*transpose_w=*/true, s.mo, H * dv, dv, N,
                  dv, C, H, st);
   cuda::to_bf16(s.mo, N * H * dv, s.mo_bf, st);
-  s.gemm.linear(s.mo_bf, N, H * dv, H * dv, m.o_proj.w, D, s.y, D, st);
+  linear(s, m.o_proj, s.mo_bf, N, s.y, st);
 }
 
 void GpuModel::ffn_layer(const DLayer& L, int64_t N) {
@@ -1227,9 +1285,9 @@ void GpuModel::ffn_layer(const DLayer& L, int64_t N) {
   const cudaStream_t st = stream_;
   const int64_t D = cfg.hidden_size;
   auto dense = [&](const DFfn& f, float* out) {
-    s.gemm.linear(s.x_bf, N, D, D, f.w13.w, 2 * f.F, s.gu, 2 * f.F, st);
+    linear(s, f.w13, s.x_bf, N, s.gu, st);
     cuda::swiglu_bf16(s.gu, N, f.F, s.act_bf, st);
-    s.gemm.linear(s.act_bf, N, f.F, f.F, f.down.w, D, out, D, st);
+    linear(s, f.down, s.act_bf, N, out, st);
   };
   if (L.dense) {
     cuda::rms_norm_bf16(s.h, D, L.post_norm, N, D, cfg.rms_norm_eps, s.x_bf, D, st);

@@ -18,8 +18,12 @@ constexpr float kLatentNormEps = 1e-6f;  // q_a_layernorm and kv_a_layernorm in 
 constexpr float kIndexKeyNormEps = 1e-6f;
 constexpr float kL2NormEps = 1e-6f;
 
-Linear load_linear(WeightLoader& w, const std::string& prefix, int64_t out, int64_t in) {
-  return Linear{w.linear(prefix, out, in), w.bf16_inputs};
+// keep_fp8 = false for the linears the GPU engine does not run as bf16 GEMMs (the DSA indexer's are fp32).
+Linear load_linear(WeightLoader& w, const std::string& prefix, int64_t out, int64_t in, bool keep_fp8 = true) {
+  Linear l;
+  l.bf16_inputs = w.bf16_inputs;
+  l.w = w.linear(prefix, out, in, keep_fp8 && w.keep_fp8 ? &l.fp8 : nullptr);
+  return l;
 }
 
 // x rounded to bf16 (ModelOptions::bf16_activations).
@@ -138,11 +142,11 @@ MlaAttention::MlaAttention(const ModelConfig& cfg, WeightLoader& w, const std::s
     ix.n_heads = cfg.index_n_heads;
     ix.head_dim = cfg.index_head_dim;
     const int64_t qin = cfg.q_lora_rank ? cfg.q_lora_rank : D;
-    ix.wq_b = load_linear(w, p + "indexer.wq_b", int64_t{ix.n_heads} * ix.head_dim, qin);
-    ix.wk = load_linear(w, p + "indexer.wk", ix.head_dim, D);
+    ix.wq_b = load_linear(w, p + "indexer.wq_b", int64_t{ix.n_heads} * ix.head_dim, qin, false);
+    ix.wk = load_linear(w, p + "indexer.wk", ix.head_dim, D, false);
     ix.k_norm_w = w.get(p + "indexer.k_norm.weight", {ix.head_dim});
     ix.k_norm_b = w.get(p + "indexer.k_norm.bias", {ix.head_dim});
-    ix.weights_proj = load_linear(w, p + "indexer.weights_proj", ix.n_heads, D);
+    ix.weights_proj = load_linear(w, p + "indexer.weights_proj", ix.n_heads, D, false);
     // The indexer's products stay fp32 in every mode: they feed FP8 quantisation and a top-k (the GPU does them in
     // fp32 too).
     ix.wq_b.bf16_inputs = ix.wk.bf16_inputs = ix.weights_proj.bf16_inputs = false;
@@ -496,9 +500,10 @@ void FeedForward::forward(const float* x, int64_t T, float* y) const {
 }
 
 FeedForward load_ffn(WeightLoader& w, const std::string& p, const char* const names[3], int64_t hidden,
-                     int64_t width) {
-  return FeedForward{load_linear(w, p + names[0], width, hidden), load_linear(w, p + names[1], width, hidden),
-                     load_linear(w, p + names[2], hidden, width)};
+                     int64_t width, bool keep_fp8) {
+  return FeedForward{load_linear(w, p + names[0], width, hidden, keep_fp8),
+                     load_linear(w, p + names[1], width, hidden, keep_fp8),
+                     load_linear(w, p + names[2], hidden, width, keep_fp8)};
 }
 
 MoE::MoE(const ModelConfig& cfg, WeightLoader& w, const std::string& p, const char* const expert_names[3]) {
@@ -509,7 +514,8 @@ MoE::MoE(const ModelConfig& cfg, WeightLoader& w, const std::string& p, const ch
   if (w.has(p + "gate.e_score_correction_bias")) bias_ = w.get(p + "gate.e_score_correction_bias", {E});
   experts_.reserve(E);
   for (int64_t e = 0; e < E; ++e)
-    experts_.push_back(load_ffn(w, p + "experts." + std::to_string(e) + ".", expert_names, D, cfg.moe_intermediate_size));
+    experts_.push_back(
+        load_ffn(w, p + "experts." + std::to_string(e) + ".", expert_names, D, cfg.moe_intermediate_size, false));
   if (cfg.n_shared_experts > 0) {
     static const char* const kSharedNames[3] = {"gate_proj", "up_proj", "down_proj"};
     shared_ = load_ffn(w, p + "shared_experts.", kSharedNames, D, cfg.moe_intermediate_size * cfg.n_shared_experts);

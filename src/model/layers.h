@@ -11,6 +11,7 @@
 #include "core/tensor.h"
 #include "kernels/cpu/moe.h"
 #include "model/config.h"
+#include "model/weights.h"
 
 namespace kestrel {
 
@@ -32,6 +33,9 @@ int64_t kda_state_bytes(const ModelConfig& cfg, int heads);
 struct Linear {
   Tensor w;  // [out, in]
   bool bf16_inputs = false;  // round the input to bf16 first (ModelOptions::bf16_activations)
+  // The weight as stored, when the checkpoint stores it in FP8 and ModelOptions::keep_fp8_weights asks for it
+  // (for the GPU engine; w holds the same values, decoded).
+  std::optional<Fp8BlockWeight> fp8;
   int64_t out() const { return w.dim(0); }
   int64_t in() const { return w.dim(1); }
   void operator()(const float* x, int64_t T, float* y) const;
@@ -185,7 +189,9 @@ class MoE {
   std::optional<FeedForward> shared_;
 };
 
+// keep_fp8: whether the linears keep FP8-stored codes and scales when the loader's keep_fp8 asks for them (the MoE's
+// routed experts do not: the GPU's expert kernels do not take FP8).
 FeedForward load_ffn(WeightLoader& w, const std::string& prefix, const char* const names[3], int64_t hidden,
-                     int64_t width);
+                     int64_t width, bool keep_fp8 = true);
 
 }  // namespace kestrel

@@ -15,7 +15,7 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const ModelOptions& o
   m->cfg_ = ModelConfig::load(dir + "/config.json");
   m->opts_ = opts;
   const ModelConfig& cfg = m->cfg_;
-  WeightLoader w(dir, cfg.weight_block_size, opts.bf16_activations);
+  WeightLoader w(dir, cfg.weight_block_size, opts.bf16_activations, opts.keep_fp8_weights);
   m->embed_ = w.get("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size});
   for (int i = 0; i < cfg.num_hidden_layers; ++i)
     m->layers_.push_back(cfg.arch == Arch::deepseek_v32 ? load_deepseek_v32_layer(cfg, w, i, opts)

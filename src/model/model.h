@@ -24,6 +24,11 @@ struct ModelOptions {
   // input (and MLA's absorbed query and attention output, and the LM head's input) rounded to bf16 first, as the
   // GPU's bf16 GEMMs take them; the MoE router and the DSA indexer stay fp32, as on the GPU. Off: plain fp32.
   bool bf16_activations = false;
+  // For a checkpoint with FP8 block-scaled linear weights (WeightQuant::fp8_block): keep the codes and scales of
+  // the linears the GPU engine runs as bf16 GEMMs (attention projections, dense and shared-expert FFNs) next to
+  // their fp32 weights, so that the GPU streams them in FP8 at small batches (src/kernels/cuda/gemm_fp8.h). One
+  // byte per such weight more host memory; the CPU's numerics do not change.
+  bool keep_fp8_weights = false;
 };
 
 // A KDA checkpoint to take during a step: the states after the token at `position` - 1, into these state rows

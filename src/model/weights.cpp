@@ -72,7 +72,7 @@ Tensor WeightLoader::get(const std::string& name, const std::vector<int64_t>& sh
   return t;
 }
 
-Tensor WeightLoader::linear(const std::string& prefix, int64_t out, int64_t in) {
+Tensor WeightLoader::linear(const std::string& prefix, int64_t out, int64_t in, std::optional<Fp8BlockWeight>* raw) {
   const std::string packed = prefix + ".weight_packed";
   if (ckpt_.has(packed)) {
     KESTREL_CHECK(in % 32 == 0, "MXFP4 tensor '{}' needs an input width divisible by 32, got {}", packed, in);
@@ -107,6 +107,7 @@ Tensor WeightLoader::linear(const std::string& prefix, int64_t out, int64_t in) 
   const std::vector<float> scales = decode_to_f32(s);
   for (int64_t r = 0; r < out; ++r)
     for (int64_t c = 0; c < in; ++c) t.data[r * in + c] *= scales[(r / block) * s.shape[1] + c / block];
+  if (raw) *raw = Fp8BlockWeight{std::vector<uint8_t>(w.bytes.begin(), w.bytes.end()), scales, fp8_block_};
   return t;
 }
 
