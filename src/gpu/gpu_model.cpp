@@ -117,7 +117,10 @@ class Uploader {
     std::vector<uint16_t> h(n);
     size_t at = 0;
     for (const Tensor* t : parts)
-      for (float v : t->data) h[at++] = f32_to_bf16(v);
+      for (float v : t->data) {
+        h[at] = f32_to_bf16(v);
+        rounded_ += bf16_to_f32(h[at++]) != v && v == v;
+      }
     uint16_t* d = arena_.take_n<uint16_t>(n, what);
     copy(d, h.data(), n * sizeof(uint16_t));
     return d;
@@ -158,6 +161,9 @@ class Uploader {
     return d;
   }
   size_t uploaded() const { return uploaded_; }
+  // Weights whose bf16 copy is not their exact value (none for bf16 checkpoints, nor for FP8 ones with power-of-two
+  // block scales such as DeepSeek-V3.2's ue8m0).
+  size_t rounded() const { return rounded_; }
 
  private:
   void copy(void* d, const void* h, size_t n) {
@@ -165,7 +171,7 @@ class Uploader {
     uploaded_ += n;
   }
   DeviceArena& arena_;
-  size_t uploaded_ = 0;
+  size_t uploaded_ = 0, rounded_ = 0;
 };
 
 }  // namespace gpu
@@ -452,6 +458,7 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     shared_ws = w_->indexers[l]->workspace();
   }
   weight_bytes_ = arena.used() - before;
+  rounded_weights_ = up.rounded();
 
   // Workspaces for a step of max_tokens tokens.
   const size_t ws_before = arena.used();

@@ -50,6 +50,9 @@ class GpuModel {
   const GpuLimits& limits() const { return limits_; }
   cudaStream_t stream() const { return stream_; }
   size_t weight_bytes() const { return weight_bytes_; }
+  // Linear-layer weights whose bf16 copy rounds their value (an FP8 checkpoint whose block scales are not powers of
+  // two): such layers differ from the reference by that rounding on the cuBLASLt (bf16) path.
+  size_t rounded_weights() const { return rounded_weights_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
   // Steps of single generated tokens replay one CUDA graph per batch size (on by default).
   void set_cuda_graphs(bool on) { graphs_ = on; }
@@ -100,7 +103,7 @@ class GpuModel {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceWeights> w_;
   std::unique_ptr<StepScratch> s_;
-  size_t weight_bytes_ = 0, workspace_bytes_ = 0;
+  size_t weight_bytes_ = 0, workspace_bytes_ = 0, rounded_weights_ = 0;
   std::unique_ptr<StepTables> tables_;
   int64_t max_blocks_ = 0;  // block-table width of a sequence of max_model_len
   bool graphs_ = true;

@@ -64,6 +64,12 @@ std::unique_ptr<GpuBackend> GpuBackend::attach(const Model& host, EngineConfig& 
                  "workspaces %.3f GiB, cache pool up to %.3f GiB\n",
                  budget / double(1 << 30), utilization, b->model_->weight_bytes() / double(1 << 30),
                  b->model_->workspace_bytes() / double(1 << 30), left / double(1 << 30));
+  if (log && b->model_->rounded_weights() > 0)
+    std::fprintf(log,
+                 "[kestrel] warning: %zu weights are not exactly representable in bf16 (FP8 block scales that are not "
+                 "powers of two); the GPU's bf16 copies round them, so its results differ from the CPU reference's by "
+                 "that rounding\n",
+                 b->model_->rounded_weights());
   GpuBackend* raw = b.get();
   cfg.executor = [raw](const Model& m, CacheManager& cache) -> std::unique_ptr<StepExecutor> {
     KESTREL_CHECK(&m == &raw->model_->host(), "the GPU backend was attached for another model");

@@ -348,7 +348,8 @@ class CheckpointBuilder {
         float amax = 0.0f;
         for (int64_t r = i * b; r < std::min(out, (i + 1) * b); ++r)
           for (int64_t c = j * b; c < std::min(in, (j + 1) * b); ++c) amax = std::max(amax, std::fabs(w[r * in + c]));
-        const float s = amax > 0.0f ? amax / kE4m3Max : 1.0f;
+        // The config says scale_fmt ue8m0 (as DeepSeek-V3.2's checkpoints): a power of two, rounded up.
+        const float s = amax > 0.0f ? round_up_pow2(amax / kE4m3Max) : 1.0f;
         scales[i * cb + j] = s;
         for (int64_t r = i * b; r < std::min(out, (i + 1) * b); ++r)
           for (int64_t c = j * b; c < std::min(in, (j + 1) * b); ++c) q.bytes[r * in + c] = f32_to_e4m3(w[r * in + c] / s);

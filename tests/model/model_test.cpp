@@ -315,7 +315,8 @@ TEST(Model, Bf16ActivationsRoundLinearInputs) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   const int64_t in = 37, out = 5, T = 3;
-  Linear l{Tensor({out, in})};
+  Linear l;
+  l.w = Tensor({out, in});
   for (float& w : l.w.data) w = round_to_bf16(nd(rng));
   std::vector<float> x(T * in), rounded(T * in);
   for (int64_t i = 0; i < T * in; ++i) {
