@@ -162,8 +162,8 @@ int main(int argc, char** argv) {
           std::sort(v.begin(), v.end());
           return v.empty() ? 0.0 : percentile(v, 50);
         };
-        std::printf("  profile B=%d L=%d %s: step %.4f ms = prepare %.4f + GPU %.4f + logits copy %.4f + engine "
-                    "%.4f\n",
+        std::printf("  profile B=%d L=%d %s: step %.4f ms = prepare %.4f + GPU %.4f + logits copy or GPU sampling "
+                    "%.4f + engine %.4f\n",
                     B, L, graphs ? "graph" : "no graph", med(step), med(prep), med(gpu_ms), med(copy),
                     med(step) - med(prep) - med(gpu_ms) - med(copy));
         if (!graphs)

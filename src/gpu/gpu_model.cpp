@@ -375,18 +375,18 @@ struct StepScratch {
 };
 
 // A linear layer over M tokens: y[M, out] = x[M, in] · W^T, x bf16 and y fp32 (or bf16), rows contiguous.
-// A weight the checkpoint stores in FP8 is on the GPU twice, as its FP8 codes and scales and as bf16. Steps of up
-// to kFp8MaxRows tokens (decode batches) stream the FP8 form: half the bytes, and the kernel is bound by them at
-// such sizes. Larger steps run cuBLASLt on the bf16 copy: the FP8 kernel multiplies on the CUDA cores (about 33e12
-// fp32 FMAs/s on an H200 against about 4e12 weight bytes/s), so past a few rows it is bound by its arithmetic and
-// slower than the bf16 tensor-core GEMM; dequantising into a bf16 scratch per layer instead would add 3 bytes of
-// traffic per weight, slower than the resident bf16 copy for every step of up to hundreds of tokens. The cost is
-// one byte per weight of GPU memory for these linears (the attention projections and dense FFNs; not the routed
-// experts). The FP8 result is the reference's x · (code * scale) up to fp32 rounding order; the bf16 copy rounds
-// the weight (code * scale is not in general a bf16 value), as for any other checkpoint format.
+// A weight the checkpoint stores in FP8 is on the GPU twice, as its FP8 codes and scales and as bf16. Single-token
+// steps stream the FP8 form (half the bytes); every larger step runs cuBLASLt on the bf16 copy. On an H200
+// (bench/gpu/gemm_fp8_bench.cpp, bench/results/gpu_engine_h200.md) the FP8 kernel is 1.2-1.5x cuBLASLt bf16 at M = 1
+// on 7168x2048 and 2048x7168 weights and even on 24576x1536, but 0.4-0.6x at M = 8: it multiplies on the CUDA
+// cores and reaches only about 1 TB/s of weight traffic, so more rows make it arithmetic-bound. Dequantising into a
+// bf16 scratch per layer instead would add 3 bytes of traffic per weight. The cost is one byte per weight of GPU
+// memory for these linears (the attention projections and dense FFNs; not the routed experts). The FP8 result is
+// the reference's x · (code * scale) up to fp32 rounding order; the bf16 copy is exact when the block scales are
+// powers of two (DeepSeek-V3.2's ue8m0) and rounds the weight otherwise (GpuModel::rounded_weights()).
 namespace {
 
-constexpr int64_t kFp8MaxRows = cuda::kFp8RowsPerPass;
+constexpr int64_t kFp8MaxRows = 1;
 
 void linear(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, float* y, cudaStream_t st) {
   if (l.fp8 && M <= kFp8MaxRows)
@@ -1012,13 +1012,18 @@ void GpuModel::launch(const StepBatch& batch, const StepTables& t) {
 void GpuModel::forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out) {
   StepTables& t = *tables_;
   out.assign(rows.size(), SampledToken{});
+  const auto t0 = Clock::now();
   if (!prepare(batch, t, graphs_)) return;
+  const auto t1 = Clock::now();
   StepScratch& s = *s_;
   const cudaStream_t st = stream_;
   const int64_t V = host_.config().vocab_size;
   KESTREL_CHECK(t.wanted <= s.logits_rows && static_cast<int64_t>(rows.size()) <= s.sample_rows,
                 "a step sampling {} rows of {} wanted exceeds the GPU's sampling buffers", rows.size(), t.wanted);
+  mark(0);
   launch(batch, t);
+  mark(1);
+  const auto t2 = Clock::now();
   // The rows' parameters and penalty lists; lists beyond the buffer are sampled on the host from copied logits.
   size_t penalties = 0;
   for (const SampleRow& r : rows) penalties += r.penalties.size();
@@ -1029,6 +1034,7 @@ void GpuModel::forward_sampled(const StepBatch& batch, std::span<const SampleRow
     for (size_t i = 0; i < rows.size(); ++i)
       out[i].token = sample_token(*rows[i].params, host.data() + rows[i].logits_row * V, V, rows[i].uniform,
                                   rows[i].penalties, rows[i].params->logprobs >= 0 ? &out[i].logprob : nullptr);
+    record_times(t, t0, t1, t2);
     return;
   }
   std::vector<cuda::SampleRowParams> params(rows.size());
@@ -1075,6 +1081,7 @@ void GpuModel::forward_sampled(const StepBatch& batch, std::span<const SampleRow
         cudaMemcpyAsync(top_lp.data(), s.sampled_top_logprobs, n * K * sizeof(float), cudaMemcpyDeviceToHost, st));
   }
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+  record_times(t, t0, t1, t2);
   for (size_t i = 0; i < n; ++i) {
     out[i].token = tok[i];
     const int want = rows[i].params->logprobs;
@@ -1087,15 +1094,15 @@ void GpuModel::forward_sampled(const StepBatch& batch, std::span<const SampleRow
 
 void GpuModel::forward(const StepBatch& batch, float* logits) {
   StepTables& t = *tables_;
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   if (!prepare(batch, t, graphs_)) return;
-  const auto t1 = std::chrono::steady_clock::now();
+  const auto t1 = Clock::now();
   const cudaStream_t st = stream_;
   const int64_t V = host_.config().vocab_size;
   mark(0);
   launch(batch, t);
   mark(1);
-  const auto t2 = std::chrono::steady_clock::now();
+  const auto t2 = Clock::now();
   const StepScratch& s = *s_;
   for (int64_t r0 = 0; r0 < t.wanted; r0 += s.logits_rows) {
     const int64_t rows = std::min(s.logits_rows, t.wanted - r0);
@@ -1105,26 +1112,29 @@ void GpuModel::forward(const StepBatch& batch, float* logits) {
   }
   // Synchronous also when no logits are wanted (a middle prompt chunk): the next step reuses the staging buffer.
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
-  if (profiling_) {
-    const auto t3 = std::chrono::steady_clock::now();
-    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
-    auto between = [&](size_t a, size_t b) {
-      float v = 0;
-      KESTREL_CUDA_CHECK(cudaEventElapsedTime(&v, events_[a], events_[b]));
-      return v;
-    };
-    times_ = StepTimes{};
-    times_.graph = t.graph;
-    times_.prepare_ms = ms(t0, t1);
-    times_.gpu_ms = between(0, 1);
-    // The copy waits for the kernels: its own time is what the host waited beyond them.
-    times_.copy_ms = std::max(0.0, ms(t2, t3) - times_.gpu_ms);
-    if (!t.graph)
-      for (size_t l = 0; l < w_->layers.size(); ++l) {
-        times_.mixer_ms.push_back(between(2 + 3 * l, 3 + 3 * l));
-        times_.ffn_ms.push_back(between(3 + 3 * l, 4 + 3 * l));
-      }
-  }
+  record_times(t, t0, t1, t2);
+}
+
+void GpuModel::record_times(const StepTables& t, Clock::time_point t0, Clock::time_point t1, Clock::time_point t2) {
+  if (!profiling_) return;
+  const auto t3 = Clock::now();
+  auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  auto between = [&](size_t a, size_t b) {
+    float v = 0;
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&v, events_[a], events_[b]));
+    return v;
+  };
+  times_ = StepTimes{};
+  times_.graph = t.graph;
+  times_.prepare_ms = ms(t0, t1);
+  times_.gpu_ms = between(0, 1);
+  // The copy (and GPU sampling) waits for the kernels: its own time is what the host waited beyond them.
+  times_.copy_ms = std::max(0.0, ms(t2, t3) - times_.gpu_ms);
+  if (!t.graph)
+    for (size_t l = 0; l < w_->layers.size(); ++l) {
+      times_.mixer_ms.push_back(between(2 + 3 * l, 3 + 3 * l));
+      times_.ffn_ms.push_back(between(3 + 3 * l, 4 + 3 * l));
+    }
 }
 
 bool GpuModel::samples_on_gpu() const { return sampling_ && s_->sampled_tokens != nullptr; }

@@ -9,6 +9,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -114,6 +115,9 @@ class GpuModel {
   StepTimes times_;
   std::vector<cudaEvent_t> events_;  // profiling: begin, end, and three per layer
   void mark(size_t i);
+  using Clock = std::chrono::steady_clock;
+  // With profiling: times_ from the step's host clocks (start, after prepare, after the launch) and events.
+  void record_times(const StepTables& t, Clock::time_point t0, Clock::time_point t1, Clock::time_point t2);
 };
 
 }  // namespace kestrel::gpu
