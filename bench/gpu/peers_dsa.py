@@ -22,6 +22,29 @@ dimension 128. All inputs are random (Gaussian values, quantised as each library
 - `deepgemm mqa_logits` (prefill indexer, no paging) and `flashmla sparse_prefill` (bf16 latent, as FlashMLA's
   prefill kernel takes it): S = 4096 query tokens at the end of a context of L = 32K / 128K, causal; no Kestrel
   counterpart yet, for the issue's record.
+- `torch dsa_decode`: one DSA decode layer step in plain PyTorch eager (no custom kernels), the "PyTorch
+  implementation" of issue 7's ratio, on bf16 paged caches: the request's index keys (bf16 [L, 128]) gathered
+  through its page table (index_select of whole pages), logits = q [B, H_I, 128] . k (bmm, bf16 out), relu, the
+  weighted head sum with fp32 weights [B, H_I] (bmm in fp32), torch.topk(min(2048, L)), the selected latent rows
+  (bf16 [c ; k_pe], 576 per token) gathered through the page table (slot = page * 64 + offset), then absorbed
+  attention for H heads (q_abs [B, H, 576] times the softmax scale in bf16, scores = q . rows^T in bf16, softmax in
+  fp32 as DeepSeek's reference model.py does, out = p . rows[:, :512]). Every H in --heads runs with every H_I in
+  --index-heads. key_TBps counts the bf16 index keys read (B L 256 bytes); TBps adds the selected latent rows
+  (B k 1152 bytes). Kestrel's counterpart: the DSA step of dsa_decode_bench / mla_decode_bench.
+- `torch dense_mla_decode`: the same absorbed attention over the whole bf16 latent context, gathered through the
+  page table. kv_TBps counts the latent read (B L 1152 bytes). Kestrel's counterpart: mla_decode_bench's dense
+  bf16 table.
+  The two PyTorch sections check request 0 of set 0 of each case against a float64 reference built
+  independently (page by page): the indexer scores (rel_diff_scores), the recall of the top-k against the float64
+  top-k (topk_recall; near-ties can swap through the bf16 logits), the output over the path's own selection
+  (rel_diff_out, the attention arithmetic alone) and over the float64 selection (rel_diff_out_ref_topk). They run
+  before the library sections (a crash in a library, as DeepGEMM's paged logits segfaulting in session 3, ends the
+  process), and free their caches before the next case. Their memory: per case one set of caches when a single
+  set is past POOL_BYTES_CAP (B = 64, L = 128K: 11.8 GB of bf16 latent + index keys for DSA), else at most the cap,
+  plus the intermediates of a call (dense at B = 64, L = 128K, H = 128: the gathered latent 9.7 GB, the [B, H, L]
+  scores 2.1 GB in bf16 and 4.3 GB in fp32, the bf16 probabilities 2.1 GB), once for eager and once more in the
+  graph's memory pool: about 60 GB at the largest case by that count (not yet measured).
+  With `--device cpu` only these two sections run (eager, two sets): a smoke test of the code at small shapes.
 
 Timing as dsa_decode_bench: CUDA events, medians of 20 after 3 warm-ups, and every call on another set of request
 caches (page tables into a pool of sets), with enough sets that the rotated caches are at least 600 MB and the
@@ -30,12 +53,18 @@ Python call alone (it includes the host time of the call: tens of microseconds, 
 "graph" is the median over 20 replays (after 3) of a CUDA graph of one call per set (at most 256), per call: the
 kernels' own time, the number to hold against Kestrel's. The prefill kernels run for milliseconds: eager only,
 median of 10. Each decode case first checks one request's output against a float reference of the same quantised
-inputs (rel_diff, informational).
+inputs (rel_diff, informational). The PyTorch sections' eager line is the number a serving stack that runs these
+ops one by one gets; their graph line is the same ops replayed from a CUDA graph.
 
 Prints one line per measurement, `peer <library> <op> key=value ...`. Exits 0 with `<library> not available: <why>`
 for a peer that is not built or does not import, 1 when a case failed, else 0.
 Usage: python3 bench/gpu/peers_dsa.py [--contexts 8192,32768,131072] [--batches 1,32,64] [--heads 96,128]
-       [--index-heads 32,64] [--sections flashmla_decode,deepgemm_paged,deepgemm_prefill,flashmla_prefill]
+       [--index-heads 32,64] [--sections flashmla_decode,deepgemm_paged,deepgemm_prefill,flashmla_prefill,
+       torch_dsa_decode,torch_dense_mla_decode] [--device cuda|cpu]
+The library sections need contexts that are multiples of 256 and at least 2048; the PyTorch sections take any
+multiple of 64 (shorter than 2048: every token is selected). CPU smoke test:
+       python3 bench/gpu/peers_dsa.py --device cpu --sections torch_dsa_decode,torch_dense_mla_decode \
+           --contexts 256,4096 --batches 2 --heads 4 --index-heads 2
 """
 
 import argparse
@@ -64,7 +93,9 @@ TOUCHED_BYTES = 240e6  # bytes the rotated calls read, several times the L2
 POOL_BYTES_CAP = 20e9
 GRAPH_MAX_LAUNCHES = 256
 TEMPLATE_PAGES = 64  # distinct random pages, copied over the pool
-SECTIONS = ("flashmla_decode", "deepgemm_paged", "deepgemm_prefill", "flashmla_prefill")
+TORCH_SECTIONS = ("torch_dsa_decode", "torch_dense_mla_decode")
+SECTIONS = ("flashmla_decode", "deepgemm_paged", "deepgemm_prefill", "flashmla_prefill", *TORCH_SECTIONS)
+BF16_BYTES = 2
 
 
 def int_list(text):
@@ -110,11 +141,52 @@ def rel_diff(got, ref):
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+# ---------------------------------------------------------------------- PyTorch eager peer
+def absorbed_attention(torch, q_abs, rows):
+    """Absorbed MLA for one query token: q_abs bf16 [B, H, 576], rows bf16 [B, n, 576] -> bf16 [B, H, 512]."""
+    scores = torch.bmm(q_abs * SOFTMAX_SCALE, rows.transpose(1, 2))
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(torch.bfloat16)
+    return torch.bmm(p, rows[:, :, :VALUE])
+
+
+def torch_dsa_decode_step(torch, q_index, weights, q_abs, index_pool, latent_pool, table, k):
+    """One DSA decode layer step on paged bf16 caches (pools [pages, 64, dim], table int32 [B, pages]):
+    returns the attention output [B, H, 512], the indexer scores [B, L] and the selected positions [B, k]."""
+    B, pages = table.shape
+    keys = index_pool.index_select(0, table.view(-1)).view(B, pages * PAGE, INDEX_DIM)
+    logits = torch.bmm(q_index, keys.transpose(1, 2)).relu_()
+    scores = torch.bmm(weights.unsqueeze(1), logits.float()).squeeze(1)
+    pos = torch.topk(scores, k, dim=1, sorted=False).indices
+    slots = table.gather(1, pos // PAGE).long() * PAGE + pos % PAGE
+    rows = latent_pool.view(-1, LATENT).index_select(0, slots.view(-1)).view(B, k, LATENT)
+    return absorbed_attention(torch, q_abs, rows), scores, pos
+
+
+def torch_dense_mla_step(torch, q_abs, latent_pool, table):
+    """Absorbed MLA over every token of each request's paged bf16 latent: [B, H, 512]."""
+    B, pages = table.shape
+    rows = latent_pool.index_select(0, table.view(-1)).view(B, pages * PAGE, LATENT)
+    return absorbed_attention(torch, q_abs, rows)
+
+
+def reference_rows(torch, pool, table_row):
+    """One request's cache rows in float64, page by page in table order: [L, dim]."""
+    return torch.cat([pool[page] for page in table_row.tolist()]).double()
+
+
+def reference_attention(torch, q_abs, rows):
+    """float64 absorbed MLA of one request: q_abs [H, 576], rows float64 [n, 576] -> [H, 512]."""
+    p = torch.softmax(q_abs.double() @ rows.T * SOFTMAX_SCALE, dim=-1)
+    return p @ rows[:, :VALUE]
+
+
 class Bench:
     def __init__(self, torch):
         self.torch = torch
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.stop = torch.cuda.Event(enable_timing=True)
+        self.on_cuda = torch.device(DEVICE).type == "cuda"
+        if self.on_cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.stop = torch.cuda.Event(enable_timing=True)
         self.gen = torch.Generator(device=DEVICE)
         self.gen.manual_seed(2026)
         self.failed = 0
@@ -148,6 +220,10 @@ class Bench:
         return perm.view(sets, B, pages).to(self.torch.int32)
 
     def time_ms(self, fn):
+        if not self.on_cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
         self.start.record()
         fn()
         self.stop.record()
@@ -182,18 +258,124 @@ class Bench:
         traceback.print_exc(file=sys.stdout)
 
     def timed_modes(self, label, call, sets, rate):
-        """Prints the eager and the graph line of one case; rate(us) gives the rate fields."""
+        """Prints the eager and the graph line of one case (the eager one only off CUDA); rate(us) gives the rate
+        fields."""
         try:
             us, best = self.eager_us(call)
             print(f"{label} mode=eager median_us={us:.2f} min_us={best:.2f} {rate(us)} sets={sets} reps={ITERS}")
         except Exception as e:
             self.fail(f"{label} mode=eager", e)
+        if not self.on_cuda:
+            return
         launches = min(sets, GRAPH_MAX_LAUNCHES)
         try:
             us = self.graph_us(call, launches)
             print(f"{label} mode=graph median_us={us:.2f} {rate(us)} sets={sets} launches={launches} reps={ITERS}")
         except Exception as e:
             self.fail(f"{label} mode=graph", e)
+
+    # ------------------------------------------------------------------ PyTorch eager
+    def torch_sets(self, set_bytes, touched_bytes):
+        """As sets_for, but one set when a single set is past POOL_BYTES_CAP (gigabytes: far past the L2), and two
+        off CUDA (a smoke test: no L2 to defeat)."""
+        if not self.on_cuda:
+            return 2
+        wanted = max(2, math.ceil(ROTATED_BYTES / set_bytes), math.ceil(TOUCHED_BYTES / touched_bytes))
+        return max(1, min(wanted, int(POOL_BYTES_CAP // set_bytes)))
+
+    def bf16_pool(self, pages, dim):
+        """A page pool bf16 [pages, 64, dim] of Gaussian values."""
+        pool = self.torch.empty((pages, PAGE, dim), device=DEVICE, dtype=self.torch.bfloat16)
+        return pool.normal_(generator=self.gen)
+
+    def synchronize(self):
+        if self.on_cuda:
+            self.torch.cuda.synchronize()
+
+    def release(self):
+        if self.on_cuda:
+            self.torch.cuda.empty_cache()
+
+    def torch_dsa_decode(self, B, L, heads, index_heads):
+        torch = self.torch
+        pages = L // PAGE
+        k = min(TOPK, L)
+        key_bytes = B * L * INDEX_DIM * BF16_BYTES
+        touched = key_bytes + B * k * LATENT * BF16_BYTES
+        sets = self.torch_sets(B * L * (INDEX_DIM + LATENT) * BF16_BYTES, touched)
+        index_pool = self.bf16_pool(sets * B * pages, INDEX_DIM)
+        latent_pool = self.bf16_pool(sets * B * pages, LATENT)
+        tables = self.page_tables(index_pool.shape[0], sets, B, pages)
+        for H in heads:
+            for HI in index_heads:
+                label = f"peer torch dsa_decode B={B} L={L} H={H} HI={HI} D={INDEX_DIM} k={k}"
+                try:
+                    q_index = self.randn((B, HI, INDEX_DIM), torch.bfloat16)
+                    weights = self.randn((B, HI)) * 0.01
+                    q_abs = self.randn((B, H, LATENT), torch.bfloat16)
+
+                    def call(i):
+                        return torch_dsa_decode_step(torch, q_index, weights, q_abs, index_pool, latent_pool,
+                                                     tables[i % sets], k)
+
+                    t0 = time.perf_counter()
+                    out, scores, pos = call(0)
+                    self.synchronize()
+                    first_s = time.perf_counter() - t0
+                    # Request 0 of set 0 against float64 on the same bf16 values.
+                    keys = reference_rows(torch, index_pool, tables[0, 0])
+                    ref_scores = (torch.relu(q_index[0].double() @ keys.T) * weights[0].double()[:, None]).sum(0)
+                    ref_pos = ref_scores.topk(k).indices
+                    rows = reference_rows(torch, latent_pool, tables[0, 0])
+                    print(f"{label} check rel_diff_scores={rel_diff(scores[0], ref_scores):.2e}"
+                          f" topk_recall={torch.isin(pos[0], ref_pos).double().mean().item():.4f}"
+                          f" rel_diff_out={rel_diff(out[0], reference_attention(torch, q_abs[0], rows[pos[0]])):.2e}"
+                          f" rel_diff_out_ref_topk="
+                          f"{rel_diff(out[0], reference_attention(torch, q_abs[0], rows[ref_pos])):.2e}"
+                          f" first_call_s={first_s:.1f}")
+                    del out, scores, pos, keys, ref_scores, ref_pos, rows
+                except Exception as e:
+                    self.fail(label, e)
+                    continue
+
+                def rate(us):
+                    return (f"key_TBps={key_bytes / (us * 1e-6) / 1e12:.3f}"
+                            f" TBps={touched / (us * 1e-6) / 1e12:.3f}")
+
+                self.timed_modes(label, call, sets, rate)
+        del index_pool, latent_pool, tables
+
+    def torch_dense_mla_decode(self, B, L, heads):
+        torch = self.torch
+        pages = L // PAGE
+        kv_bytes = B * L * LATENT * BF16_BYTES
+        sets = self.torch_sets(kv_bytes, kv_bytes)
+        latent_pool = self.bf16_pool(sets * B * pages, LATENT)
+        tables = self.page_tables(latent_pool.shape[0], sets, B, pages)
+        for H in heads:
+            label = f"peer torch dense_mla_decode B={B} L={L} H={H}"
+            try:
+                q_abs = self.randn((B, H, LATENT), torch.bfloat16)
+
+                def call(i):
+                    return torch_dense_mla_step(torch, q_abs, latent_pool, tables[i % sets])
+
+                t0 = time.perf_counter()
+                out = call(0)
+                self.synchronize()
+                first_s = time.perf_counter() - t0
+                ref = reference_attention(torch, q_abs[0], reference_rows(torch, latent_pool, tables[0, 0]))
+                print(f"{label} check rel_diff_out={rel_diff(out[0], ref):.2e} first_call_s={first_s:.1f}")
+                del out, ref
+            except Exception as e:
+                self.fail(label, e)
+                continue
+
+            def rate(us):
+                return f"kv_TBps={kv_bytes / (us * 1e-6) / 1e12:.3f}"
+
+            self.timed_modes(label, call, sets, rate)
+        del latent_pool, tables
 
     # ------------------------------------------------------------------ DeepGEMM
     def deepgemm_paged(self, dg, B, L, index_heads):
@@ -365,6 +547,7 @@ class Bench:
 
 
 def main():
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int_list, default=[8192, 32768, 131072])
     parser.add_argument("--batches", type=int_list, default=[1, 32, 64])
@@ -373,46 +556,82 @@ def main():
     parser.add_argument("--prefill-queries", type=int, default=4096)
     parser.add_argument("--prefill-contexts", type=int_list, default=[32768, 131072])
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the PyTorch sections")
     args = parser.parse_args()
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
-    for L in args.contexts + args.prefill_contexts:
+    torch_sections = [s for s in sections if s in TORCH_SECTIONS]
+    library_sections = [s for s in sections if s not in TORCH_SECTIONS]
+    for L in (args.contexts if library_sections else []) + args.prefill_contexts:
         if L % 256 or L < TOPK:
             parser.error(f"context {L}: must be a multiple of 256 and at least {TOPK}")
+    for L in args.contexts:
+        if L <= 0 or L % PAGE:
+            parser.error(f"context {L}: must be a positive multiple of {PAGE}")
 
     try:
         import torch
     except Exception as e:
-        print(f"flashmla not available: no torch ({e})\ndeepgemm not available: no torch ({e})")
+        if library_sections:
+            print(f"flashmla not available: no torch ({e})\ndeepgemm not available: no torch ({e})")
+        if torch_sections:
+            print(f"torch not available: no torch ({e})")
         return 0
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        why = "torch sees no CUDA device" if not torch.cuda.is_available() else "the GPU is not SM90 (Hopper)"
-        print(f"flashmla not available: {why}\ndeepgemm not available: {why}")
-        return 0
-    if not os.environ.get("CUDA_HOME") and Path("/usr/local/cuda/bin/nvcc").exists():
-        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # DeepGEMM's JIT finds nvcc there
-
+    DEVICE = args.device
+    on_cuda = torch.device(DEVICE).type == "cuda"
+    if on_cuda and not torch.cuda.is_available():
+        torch_sections = []
+        print("torch not available: torch sees no CUDA device")
     peers = {}
-    if any(s.startswith("flashmla") for s in sections):
-        try:
-            peers["flashmla"] = load_flashmla()
-        except Exception as e:
-            print(f"flashmla not available: {type(e).__name__}: {e}")
-    if any(s.startswith("deepgemm") for s in sections):
-        try:
-            peers["deepgemm"] = load_deepgemm()
-        except Exception as e:
-            print(f"deepgemm not available: {type(e).__name__}: {e}")
-    device = torch.cuda.get_device_name(0).replace(" ", "_")
+    if library_sections:
+        if not on_cuda or not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            why = (f"--device {DEVICE}" if not on_cuda else "torch sees no CUDA device"
+                   if not torch.cuda.is_available() else "the GPU is not SM90 (Hopper)")
+            print(f"flashmla not available: {why}\ndeepgemm not available: {why}")
+        else:
+            if not os.environ.get("CUDA_HOME") and Path("/usr/local/cuda/bin/nvcc").exists():
+                os.environ["CUDA_HOME"] = "/usr/local/cuda"  # DeepGEMM's JIT finds nvcc there
+            if any(s.startswith("flashmla") for s in sections):
+                try:
+                    peers["flashmla"] = load_flashmla()
+                except Exception as e:
+                    print(f"flashmla not available: {type(e).__name__}: {e}")
+            if any(s.startswith("deepgemm") for s in sections):
+                try:
+                    peers["deepgemm"] = load_deepgemm()
+                except Exception as e:
+                    print(f"deepgemm not available: {type(e).__name__}: {e}")
+    if not peers and not torch_sections:
+        return 0
+    if on_cuda:
+        device = torch.cuda.get_device_name(0).replace(" ", "_")
+        where = (f"cuda={torch.version.cuda} device={device}"
+                 f" sms={torch.cuda.get_device_properties(0).multi_processor_count}")
+    else:
+        where = f"device={DEVICE} threads={torch.get_num_threads()}"
     for name, loaded in peers.items():
         module = loaded[0]
         print(f"peer {name} info commit={loaded[-1]} module={Path(module.__file__).parent} torch={torch.__version__}"
-              f" cuda={torch.version.cuda} device={device} sms={torch.cuda.get_device_properties(0).multi_processor_count}")
+              f" {where}")
+    if torch_sections:
+        print(f"peer torch info torch={torch.__version__} {where}")
 
     bench = Bench(torch)
     with torch.inference_mode():
+        # The PyTorch sections first: a library that crashes the process (DeepGEMM's paged logits segfaulted on
+        # the H200 in session 3) would otherwise take them with it.
+        if "torch_dsa_decode" in torch_sections:
+            for L in args.contexts:
+                for B in args.batches:
+                    bench.torch_dsa_decode(B, L, args.heads, args.index_heads)
+                    bench.release()
+        if "torch_dense_mla_decode" in torch_sections:
+            for L in args.contexts:
+                for B in args.batches:
+                    bench.torch_dense_mla_decode(B, L, args.heads)
+                    bench.release()
         if "deepgemm_paged" in sections and "deepgemm" in peers:
             for L in args.contexts:
                 for B in args.batches:
@@ -431,7 +650,6 @@ def main():
             for L in args.prefill_contexts:
                 bench.flashmla_prefill(peers["flashmla"][0], args.prefill_queries, L, args.heads)
     return 1 if bench.failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

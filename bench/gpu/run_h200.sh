@@ -146,7 +146,7 @@ dsa_peers() {
   echo "== peers_dsa"
   [ "${KESTREL_DSA_PEERS_BUILD:-0}" = 1 ] && bash "$ROOT/bench/gpu/build_peers_h200.sh" "$LOGS"
   PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 "$ROOT/bench/gpu/peers_dsa.py" \
-    --sections "${KESTREL_DSA_PEERS_SECTIONS:-deepgemm_paged,flashmla_decode}" 2>&1 | tee "$LOGS/bench-peers_dsa.log"
+    --sections "${KESTREL_DSA_PEERS_SECTIONS:-torch_dsa_decode,torch_dense_mla_decode,deepgemm_paged,flashmla_decode}" 2>&1 | tee "$LOGS/bench-peers_dsa.log"
   echo "peers_dsa exit ${PIPESTATUS[0]} (bench-peers_dsa.log)"
 }
 for b in "${BENCHES[@]}"; do
