@@ -21,9 +21,11 @@
 #   With the DSA benchmark: KESTREL_DSA_PROFILE=1 adds an Nsight Compute profile of one launch of each stage
 #   (ncu-dsa.txt); KESTREL_DSA_MEMCHECK_S caps the compute-sanitizer memcheck of small DSA cases (seconds, default
 #   75; 0 skips it; memcheck-dsa.log); KESTREL_DSA_RACECHECK=1 adds a racecheck of small cases (racecheck-dsa.log).
-#   Right after dsa_decode_bench, bench/gpu/peers_dsa.py times the DSA peers, DeepGEMM's paged FP8 indexer logits
-#   and FlashMLA's sparse decode (sections KESTREL_DSA_PEERS_SECTIONS; capped at KESTREL_GPU_BENCH_S;
-#   bench-peers_dsa.log), built from .peers/ into build-peers/ by bench/gpu/build_peers_h200.sh, which runs first
+#   Right after dsa_decode_bench, bench/gpu/peers_dsa.py times the DSA peers -- PyTorch eager DSA and dense MLA
+#   decode layers, FlashMLA's sparse decode and DeepGEMM's paged FP8 indexer logits -- one process per section
+#   (KESTREL_DSA_PEERS_SECTIONS; each capped at KESTREL_GPU_BENCH_S; bench-peers_dsa.log; a section that segfaults
+#   is re-run under gdb when there is one, gdb-peers_dsa-<section>.log). The libraries are
+#   built from .peers/ into build-peers/ by bench/gpu/build_peers_h200.sh, which runs first
 #   when KESTREL_DSA_PEERS_BUILD=1 (minutes; build-*.log); unbuilt peers print "not available";
 #   KESTREL_DSA_PEERS=0 skips it.
 #   With the MLA benchmark: KESTREL_MLA_PROFILE=1 adds an Nsight Compute profile of the dense kernel (ncu-mla.txt);
@@ -145,9 +147,21 @@ dsa_peers() {
   [ "${KESTREL_DSA_PEERS:-1}" = 1 ] || return 0
   echo "== peers_dsa"
   [ "${KESTREL_DSA_PEERS_BUILD:-0}" = 1 ] && bash "$ROOT/bench/gpu/build_peers_h200.sh" "$LOGS"
-  PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 "$ROOT/bench/gpu/peers_dsa.py" \
-    --sections "${KESTREL_DSA_PEERS_SECTIONS:-torch_dsa_decode,torch_dense_mla_decode,deepgemm_paged,flashmla_decode}" 2>&1 | tee "$LOGS/bench-peers_dsa.log"
-  echo "peers_dsa exit ${PIPESTATUS[0]} (bench-peers_dsa.log)"
+  # One process per section, so that a peer that crashes (DeepGEMM's paged logits segfaulted on the H200) does not
+  # take the others with it; a crash is re-run under gdb, when the machine has it, for a native backtrace.
+  local sections=${KESTREL_DSA_PEERS_SECTIONS:-torch_dsa_decode,torch_dense_mla_decode,flashmla_decode,deepgemm_paged}
+  : >"$LOGS/bench-peers_dsa.log"
+  for sec in ${sections//,/ }; do
+    PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 -X faulthandler "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" 2>&1 |
+      tee -a "$LOGS/bench-peers_dsa.log"
+    local rc=${PIPESTATUS[0]}
+    echo "peers_dsa $sec exit $rc (bench-peers_dsa.log)"
+    if [ "$rc" = 139 ] && command -v gdb >/dev/null 2>&1; then
+      timeout 120 gdb -batch -ex run -ex bt --args python3 "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" \
+        --contexts 8192 --batches 1 >"$LOGS/gdb-peers_dsa-$sec.log" 2>&1
+      echo "gdb backtrace of $sec: gdb-peers_dsa-$sec.log"
+    fi
+  done
 }
 for b in "${BENCHES[@]}"; do
   echo "== $b"
