@@ -198,21 +198,10 @@ struct KeyPool {
 
   KeyPool(std::mt19937& rng, const std::vector<int>& ctx, int D_, int page_size_, uint8_t fill)
       : D(D_), page_size(page_size_), page_stride(int64_t{page_size_} * (D_ + 4) + 48) {
-    int total = 0;
-    for (int c : ctx) {
-      const int pages = (c + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages);
-      total += pages;
-    }
-    total += 3;  // pages nobody owns
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < ctx.size(); ++r)
-      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total * page_stride), fill);
+    ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/0);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages * page_stride), fill);
   }
   int64_t slot(int r, int pos) const {
     return int64_t{block_table[static_cast<size_t>(r) * bt_stride + pos / page_size]} * page_size + pos % page_size;
