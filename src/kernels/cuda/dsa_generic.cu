@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/dsa_generic.h"
 #include "kernels/cuda/fp4_cache.cuh"
+#include "kernels/cuda/quant_device.cuh"
 
 namespace kestrel::cuda::detail {
 namespace {
@@ -21,15 +22,6 @@ constexpr float kAmaxFloor = 1e-4f;
 constexpr int kPrepWarps = 8;
 constexpr int kPrepThreads = kPrepWarps * 32;
 
-// round_up_pow2 of src/core/formats.cpp for a finite s > 0 (a subnormal s gives 2^-126).
-__device__ __forceinline__ float round_up_pow2(float s) {
-  const uint32_t bits = __float_as_uint(s);
-  const uint32_t exp_field = bits >> 23;
-  if (exp_field == 0) return __uint_as_float(1u << 23);
-  if ((bits & 0x007FFFFFu) == 0) return s;
-  return __uint_as_float((exp_field + 1) << 23);
-}
-
 // hadamard_inplace then quantize_fp8_ue8m0 of the D values at x, by the calling warp, with buf (D floats of shared
 // memory) as its scratch. The butterflies of one stage touch disjoint pairs, each pair by one lane, so a stage is
 // the CPU's stage whatever lane does which pair. Writes the codes; returns the scale (NaN for a non-finite vector,
@@ -37,17 +29,7 @@ __device__ __forceinline__ float round_up_pow2(float s) {
 __device__ float hadamard_quantize_warp(const float* __restrict__ x, int D, float norm, float* buf,
                                         uint8_t* __restrict__ codes) {
   const int lane = threadIdx.x & 31;
-  for (int i = lane; i < D; i += 32) buf[i] = x[i];
-  for (int half = 1; half < D; half *= 2) {
-    __syncwarp();
-    for (int p = lane; p < D / 2; p += 32) {
-      const int i = (p & ~(half - 1)) * 2 + (p & (half - 1));  // the low element of the p-th pair of this stage
-      const float a = buf[i], b = buf[i + half];
-      buf[i] = __fadd_rn(a, b);
-      buf[i + half] = __fsub_rn(a, b);
-    }
-  }
-  __syncwarp();
+  quant::hadamard_butterflies_warp(x, D, buf);
   bool finite = true;
   float amax = 0.0f;
   for (int i = lane; i < D; i += 32) {
@@ -64,7 +46,7 @@ __device__ float hadamard_quantize_warp(const float* __restrict__ x, int D, floa
     return __uint_as_float(0x7FC00000u);
   }
   // s is a power of two, so v / s is exact; the saturating conversion is the CPU's clamp to +-448.
-  const float s = round_up_pow2(__fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max));
+  const float s = quant::round_up_pow2(__fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max));
   for (int i = lane; i < D; i += 32)
     codes[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(buf[i], s), __NV_SATFINITE, __NV_E4M3));
   return s;

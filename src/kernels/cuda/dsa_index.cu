@@ -33,6 +33,7 @@
 #include <cmath>
 
 #include "kernels/cuda/dsa_common.cuh"
+#include "kernels/cuda/quant_device.cuh"
 
 namespace kestrel::cuda::dsa {
 namespace {
@@ -41,14 +42,6 @@ constexpr int kD = kIndexHeadDim;
 constexpr int kWriterThreads = 128;  // one warp per key
 
 // ---------------------------------------------------------------- writer
-
-__device__ __forceinline__ float round_up_pow2(float s) {
-  const uint32_t bits = __float_as_uint(s);
-  const uint32_t exp_field = bits >> 23;
-  if (exp_field == 0) return __uint_as_float(1u << 23);
-  if ((bits & 0x007FFFFFu) == 0) return s;
-  return __uint_as_float((exp_field + 1) << 23);
-}
 
 __global__ void __launch_bounds__(kWriterThreads) index_key_write_kernel(const void* keys, bool bf16, int T,
                                                                          bool hadamard, float hadamard_norm,
@@ -108,7 +101,8 @@ __global__ void __launch_bounds__(kWriterThreads) index_key_write_kernel(const v
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
   // As quantize_fp8_ue8m0: amax floored at 1e-4, times fp32(1/448), rounded up to a power of two; x / s is exact.
-  const float s = finite ? round_up_pow2(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f)) : __uint_as_float(0x7FC00000u);
+  const float s =
+      finite ? quant::round_up_pow2(__fmul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f)) : __uint_as_float(0x7FC00000u);
   uint32_t word = 0x7F7F7F7Fu;
   if (finite) {
     word = 0;

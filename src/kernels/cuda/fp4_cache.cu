@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/fp4_cache.cuh"
 #include "kernels/cuda/fp4_cache.h"
+#include "kernels/cuda/quant_device.cuh"
 
 namespace kestrel::cuda::detail {
 namespace {
@@ -91,18 +92,7 @@ __global__ __launch_bounds__(kKeyThreads) void key_write_mxfp4_kernel(const floa
   const int64_t slot = slots[t];
   if (slot < 0) return;
   float* buf = key_smem + warp * D;
-  const float* x = keys + t * D;
-  for (int i = lane; i < D; i += 32) buf[i] = x[i];
-  for (int half = 1; half < D; half *= 2) {
-    __syncwarp();
-    for (int p = lane; p < D / 2; p += 32) {
-      const int i = (p & ~(half - 1)) * 2 + (p & (half - 1));  // the low element of the p-th pair of this stage
-      const float a = buf[i], b = buf[i + half];
-      buf[i] = __fadd_rn(a, b);
-      buf[i + half] = __fsub_rn(a, b);
-    }
-  }
-  __syncwarp();
+  quant::hadamard_butterflies_warp(keys + t * D, D, buf);
   bool finite = true;
   for (int i = lane; i < D; i += 32) {
     const float v = __fmul_rn(buf[i], dim_norm);

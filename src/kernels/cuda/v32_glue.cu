@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/quant_device.cuh"
 #include "kernels/cuda/v32_glue.h"
 
 namespace kestrel::cuda::detail {
@@ -56,15 +57,6 @@ constexpr uint8_t kE4m3NaN = 0x7F;
 constexpr float kInvE4m3Max = 1.0f / 448.0f;  // fp32(1/448), as quantize_fp8_ue8m0 multiplies by it
 constexpr float kAmaxFloor = 1e-4f;
 
-// round_up_pow2 of src/core/formats.cpp for a finite s > 0 (a subnormal s gives 2^-126).
-__device__ __forceinline__ float round_up_pow2(float s) {
-  const uint32_t bits = __float_as_uint(s);
-  const uint32_t exp_field = bits >> 23;
-  if (exp_field == 0) return __uint_as_float(1u << 23);
-  if ((bits & 0x007FFFFFu) == 0) return s;
-  return __uint_as_float((exp_field + 1) << 23);
-}
-
 // As f32_to_bf16: round to nearest even by integer addition; a NaN keeps its sign and high payload and is made quiet.
 __device__ __forceinline__ uint16_t bf16_bits(float x) {
   const uint32_t bits = __float_as_uint(x);
@@ -111,7 +103,7 @@ __global__ __launch_bounds__(kWriteThreads) void latent_write_v32_kernel(const f
       continue;
     }
     // s is a power of two, so v / s is exact; the saturating conversion is the CPU's clamp to +-448.
-    const float s = round_up_pow2(__fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max));
+    const float s = quant::round_up_pow2(__fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max));
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k)
       codes[lane + 32 * k] =

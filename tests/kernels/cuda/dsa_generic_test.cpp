@@ -24,26 +24,15 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/runtime.h"
+#include "cuda_test_util.h"
+#include "index_check.h"
 
 namespace kestrel::cuda {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
-constexpr uint32_t kNaNBits = 0x7FC00000u;     // the scale the kernels give a non-finite vector
+using namespace test_util;
 
-#define REQUIRE_GPU() \
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
-
-void sync() { KESTREL_CUDA_CHECK(cudaDeviceSynchronize()); }
-
-uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
-
-// Bit for bit, except that any NaN matches any NaN (the CPU's NaN payloads are not specified).
-bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
-
-// fp32(n^-1/2) as MlaAttention::select computes it.
-float inv_sqrt(int n) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
+constexpr uint32_t kNaNBits = 0x7FC00000u;  // the scale the kernels give a non-finite vector
 
 // Whether x lies exactly halfway between two neighbouring e4m3 values (|x| below 448).
 bool e4m3_midpoint(float x) {
@@ -67,19 +56,6 @@ std::vector<float> random_vector(std::mt19937& rng, int D) {
   for (float& v : x) v = n(rng) * mag;
   if (rng() % 3 == 0) x[rng() % D] *= 300.0f;
   return x;
-}
-
-// A value z with fl(z * norm) == m, searched within a few ulps of m / norm.
-std::optional<float> preimage(float m, float norm) {
-  const float z0 = static_cast<float>(static_cast<double>(m) / static_cast<double>(norm));
-  float up = z0, down = z0;
-  for (int step = 0; step < 16; ++step) {
-    if (up * norm == m) return up;
-    if (down * norm == m) return down;
-    up = std::nextafter(up, kInf);
-    down = std::nextafter(down, -kInf);
-  }
-  return std::nullopt;
 }
 
 // A vector whose Hadamard transform lies on e4m3 rounding midpoints of the scale it gets: z e_0 transforms to
@@ -222,21 +198,10 @@ struct KeyPool {
 
   KeyPool(std::mt19937& rng, const std::vector<int>& ctx, int D_, int page_size_, uint8_t fill)
       : D(D_), page_size(page_size_), page_stride(int64_t{page_size_} * (D_ + 4) + 48) {
-    int total = 0;
-    for (int c : ctx) {
-      const int pages = (c + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages);
-      total += pages;
-    }
-    total += 3;  // pages nobody owns
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < ctx.size(); ++r)
-      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total * page_stride), fill);
+    ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/0);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages * page_stride), fill);
   }
   int64_t slot(int r, int pos) const {
     return int64_t{block_table[static_cast<size_t>(r) * bt_stride + pos / page_size]} * page_size + pos % page_size;
@@ -327,31 +292,8 @@ TEST(DsaGenericKeyWriter, MatchesCpuQuantisationBitForBit) {
 
 // ---------------------------------------------------------------- scores and top-k
 
-// Codes uniform over every non-NaN e4m3 code (subnormals, zeros and +-448 included).
-void random_codes(std::mt19937& rng, uint8_t* codes, int n) {
-  for (int i = 0; i < n; ++i) {
-    uint8_t c;
-    do c = static_cast<uint8_t>(rng()); while ((c & 0x7F) == 0x7F);
-    codes[i] = c;
-  }
-}
-
-struct ScoreCase {
-  int D, H, page_size, n_q;
-  std::vector<int> ctx;
-  int max_ctx;  // below a context: that request is cut to it
-};
-
 // One case: keys in a pool (some repeated, so that scores tie exactly; one with a NaN code), queries with one NaN
 // head, generic scores on the GPU and the CPU's for every row. Returns the GPU scores for the top-k check.
-struct ScoreRun {
-  std::vector<float> got, want;  // [rows, stride]
-  int64_t stride = 0;
-  int rows = 0;
-  DeviceBuffer<float> scores_d;
-  DeviceBuffer<int32_t> ctx_d;
-};
-
 ScoreRun run_scores(const ScoreCase& c, uint32_t seed) {
   std::mt19937 rng(seed);
   const int batch = static_cast<int>(c.ctx.size()), D = c.D, H = c.H;
@@ -380,7 +322,7 @@ ScoreRun run_scores(const ScoreCase& c, uint32_t seed) {
   run.rows = batch * c.n_q;
   run.stride = c.max_ctx + 5;
   std::vector<uint8_t> q(static_cast<size_t>(run.rows) * H * D);
-  random_codes(rng, q.data(), static_cast<int>(q.size()));
+  random_codes(rng, q.data(), q.size());
   q[static_cast<size_t>(H * D + 1)] = 0x7F;  // row 1, head 0: a NaN query code
   std::vector<float> w(static_cast<size_t>(run.rows) * H);
   std::normal_distribution<float> n(0.0f, 1.0f);
@@ -443,23 +385,10 @@ TEST(DsaGenericScores, MatchCpuIndexerScoresBitForBit) {
   for (const ScoreCase& c : score_cases()) {
     SCOPED_TRACE("D " + std::to_string(c.D) + ", H " + std::to_string(c.H) + ", n_q " + std::to_string(c.n_q) +
                  ", max_ctx " + std::to_string(c.max_ctx));
-    const ScoreRun run = run_scores(c, seed++);
-    int64_t mismatches = 0, nan = 0, finite = 0;
-    for (size_t i = 0; i < run.got.size(); ++i) {
-      // Unwritten entries keep the poison's exact bits; written ones (NaN scores included) lose them.
-      const bool same = bits(run.want[i]) == kPoisonBits
-                            ? bits(run.got[i]) == kPoisonBits
-                            : bits(run.got[i]) != kPoisonBits && same_float(run.got[i], run.want[i]);
-      if (!same && mismatches < 5)
-        ADD_FAILURE() << "entry " << i << " (row " << i / run.stride << ", position " << i % run.stride
-                      << "): got " << run.got[i] << ", want " << run.want[i];
-      mismatches += !same;
-      nan += std::isnan(run.want[i]) && bits(run.want[i]) != kPoisonBits;
-      finite += std::isfinite(run.want[i]);
-    }
-    EXPECT_EQ(mismatches, 0);
-    EXPECT_GT(nan, 0);     // the NaN key and the NaN query head were scored
-    EXPECT_GT(finite, 0);
+    const ScoreCounts n = compare_scores(run_scores(c, seed++));
+    EXPECT_EQ(n.mismatches, 0);
+    EXPECT_GT(n.nan, 0);     // the NaN key and the NaN query head were scored
+    EXPECT_GT(n.finite, 0);
   }
 }
 
@@ -469,30 +398,7 @@ TEST(DsaGenericScores, TopkOverGenericScoresMatchesCpuTopk) {
   for (const ScoreCase& c : score_cases()) {
     const ScoreRun run = run_scores(c, seed++);
     if (*std::max_element(c.ctx.begin(), c.ctx.end()) > c.max_ctx) continue;  // top-k takes uncut contexts
-    const int batch = static_cast<int>(c.ctx.size());
-    for (const int k : {16, 50}) {
-      SCOPED_TRACE("D " + std::to_string(c.D) + ", H " + std::to_string(c.H) + ", n_q " + std::to_string(c.n_q) +
-                   ", k " + std::to_string(k));
-      const size_t ws_bytes = topk_decode_workspace_bytes(batch, c.n_q, c.max_ctx, k);
-      DeviceBuffer<uint8_t> ws = to_device(std::vector<uint8_t>(std::max<size_t>(ws_bytes, 1), 0));
-      DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(static_cast<size_t>(run.rows) * k, -7));
-      topk_decode(run.scores_d.get(), run.stride, batch, c.n_q, run.ctx_d.get(), c.max_ctx, k, out_d.get(), ws.get(),
-                  ws_bytes, nullptr);
-      sync();
-      const std::vector<int32_t> got = to_host(out_d);
-      for (int r = 0; r < batch; ++r)
-        for (int i = 0; i < c.n_q; ++i) {
-          const int64_t row = int64_t{r} * c.n_q + i;
-          const int n = c.ctx[r] - c.n_q + i + 1;
-          // MlaAttention::select: cpu::topk_indices, then ascending; padded with -1 at the end here.
-          std::vector<int32_t> want(static_cast<size_t>(k), -1);
-          cpu::topk_indices(run.want.data() + row * run.stride, n, k, want.data());
-          const auto valid_end = std::stable_partition(want.begin(), want.end(), [](int32_t p) { return p >= 0; });
-          std::sort(want.begin(), valid_end);
-          const std::vector<int32_t> row_got(got.begin() + row * k, got.begin() + (row + 1) * k);
-          EXPECT_EQ(row_got, want) << "row " << row;
-        }
-    }
+    expect_topk_matches_cpu(c, run);
   }
 }
 

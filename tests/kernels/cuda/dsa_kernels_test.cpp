@@ -20,21 +20,14 @@
 #include "core/formats.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/runtime.h"
+#include "cuda_test_util.h"
 
 namespace kestrel::cuda {
 namespace {
 
+using namespace test_util;
+
 constexpr int kD = kIndexHeadDim;
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
-
-#define REQUIRE_GPU() \
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
-
-void sync() { KESTREL_CUDA_CHECK(cudaDeviceSynchronize()); }
-
-uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
-float poison_float() { return std::bit_cast<float>(kPoisonBits); }
 
 // A pool of pages for `ctx` tokens per request, pages handed out in a shuffled order, each page followed by a gap
 // (as pages of one layer inside the rows of the packed cache).
@@ -47,22 +40,10 @@ struct PagedPool {
 
   PagedPool(std::mt19937& rng, const std::vector<int>& ctx, int page_size_, int64_t page_bytes_, uint8_t fill)
       : page_size(page_size_), page_bytes(page_bytes_), page_stride(page_bytes_ + 48) {
-    int total = 0;
-    for (int c : ctx) {
-      const int pages = (c + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages);
-      total += pages;
-    }
-    total += 3;  // pages nobody owns
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    bt_stride = std::max(bt_stride, 1);
-    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < ctx.size(); ++r)
-      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total) * page_stride, fill);
+    ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/0);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages) * page_stride, fill);
   }
   uint8_t* page(int r, int pos) {
     return bytes.data() + static_cast<int64_t>(block_table[static_cast<size_t>(r) * bt_stride + pos / page_size]) *

@@ -29,22 +29,14 @@
 #include "kernels/cuda/dsa_generic.h"
 #include "kernels/cuda/mla_glue.h"
 #include "kernels/cuda/runtime.h"
+#include "attend_check.h"
+#include "cuda_test_util.h"
+#include "index_check.h"
 
 namespace kestrel::cuda {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
-
-#define REQUIRE_GPU() \
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
-
-void sync() { KESTREL_CUDA_CHECK(cudaDeviceSynchronize()); }
-uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
-// Bit for bit, except that any NaN matches any NaN (the CPU's NaN payloads are not specified).
-bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits(a) == bits(b); }
-float inv_sqrt(int n) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
+using namespace test_util;
 
 // ---------------------------------------------------------------- the CPU side of the formats
 
@@ -245,20 +237,10 @@ struct Nvfp4Pool {
       : page_size(page_size_),
         entry(latent_format_bytes(LatentFormat::nvfp4, C, R)),
         page_stride(page_size_ * entry + page_size_ * 68) {
-    int total = 3;
-    for (int c : ctx) {
-      const int pages = (c + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages + 1);
-      total += pages;
-    }
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < ctx.size(); ++r)
-      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total * page_stride), 0x7F);
+    ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/1);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages * page_stride), 0x7F);
     values.resize(ctx.size());
     for (size_t r = 0; r < ctx.size(); ++r) {
       values[r].resize(static_cast<size_t>(ctx[r]) * (C + R));
@@ -318,17 +300,6 @@ TEST(Nvfp4Attend, DecodeMatchesReadLatentExactly) {
   }
 }
 
-struct AttendCase {
-  int C, R, H, page_size;
-  bool sparse;
-};
-
-std::string attend_case_name(const ::testing::TestParamInfo<AttendCase>& info) {
-  const AttendCase& a = info.param;
-  return "C" + std::to_string(a.C) + "_R" + std::to_string(a.R) + "_H" + std::to_string(a.H) + "_page" +
-         std::to_string(a.page_size) + (a.sparse ? "_indices" : "_dense");
-}
-
 class Nvfp4AttendGeneric : public ::testing::TestWithParam<AttendCase> {};
 
 // mla_attend_generic over an NVFP4 latent against cpu::mla_attend_absorbed over the rows read_latent decodes.
@@ -361,21 +332,8 @@ TEST_P(Nvfp4AttendGeneric, MatchesCpuWithinBound) {
 
   // Index lists of k = 40 in random order: mostly causal positions, some -1, some past the row, some repeats.
   constexpr int k = 40;
-  std::vector<int32_t> indices;
-  if (ac.sparse) {
-    indices.resize(static_cast<size_t>(rows) * k);
-    for (int row = 0; row < rows; ++row) {
-      const int pos = row_pos[static_cast<size_t>(row)];
-      int32_t* idx = indices.data() + static_cast<size_t>(row) * k;
-      for (int i = 0; i < k; ++i) {
-        const unsigned kind = rng() % 10;
-        if (kind < 6) idx[i] = static_cast<int32_t>(rng() % (pos + 1));
-        else if (kind == 6) idx[i] = -1;
-        else if (kind == 7) idx[i] = pos + 1 + static_cast<int32_t>(rng() % 50);
-        else idx[i] = i > 0 ? idx[rng() % i] : 0;
-      }
-    }
-  }
+  const std::vector<int32_t> indices =
+      ac.sparse ? random_index_lists(rng, row_req, row_pos, k, /*empty_request=*/-1) : std::vector<int32_t>();
 
   const DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
   const DeviceBuffer<int32_t> bt_d = to_device(pool.block_table), req_d = to_device(row_req),
@@ -396,46 +354,12 @@ TEST_P(Nvfp4AttendGeneric, MatchesCpuWithinBound) {
   // Bound, as for the FP8 latent (mla_glue_test): both sides are fp32 over the same decoded values with different
   // summation orders, so the scores differ by a few 1e-7 absolute at these magnitudes, lse by about as much and out
   // by a few 1e-7 * max|value| of the attended rows: 1e-5 relative leaves an order of magnitude.
-  double worst = 0.0, worst_lse = 0.0;
-  int64_t bad = 0, poisoned = 0;
-  std::vector<float> ref(static_cast<size_t>(H) * C), ref_lse(static_cast<size_t>(H));
-  for (int row = 0; row < rows; ++row) {
-    const size_t r = static_cast<size_t>(row_req[static_cast<size_t>(row)]);
-    const int pos = row_pos[static_cast<size_t>(row)];
-    const int32_t* idx = ac.sparse ? indices.data() + static_cast<size_t>(row) * k : nullptr;
-    cpu::mla_attend_absorbed(q.data() + static_cast<size_t>(row) * H * width, H, C, R, pool.values[r].data(), pos + 1,
-                             idx, ac.sparse ? k : 0, softmax_scale, ref.data(), ref_lse.data());
-    float vmax = 0.0f;
-    for (int i = 0; i < (ac.sparse ? k : pos + 1); ++i) {
-      const int p = ac.sparse ? idx[i] : i;
-      if (p < 0 || p > pos) continue;
-      for (int c = 0; c < C; ++c) vmax = std::max(vmax, std::fabs(pool.values[r][static_cast<size_t>(p) * width + c]));
-    }
-    const float tol = 1e-5f * vmax + 1e-6f;
-    for (int h = 0; h < H; ++h) {
-      const size_t hq = static_cast<size_t>(row) * H + h;
-      const float rl = ref_lse[static_cast<size_t>(h)];
-      poisoned += bits(lse[hq]) == kPoisonBits;
-      const bool lse_ok = rl == -kInf ? lse[hq] == -kInf : std::fabs(lse[hq] - rl) <= 1e-5f * (1.0f + std::fabs(rl));
-      if (!lse_ok && bad++ < 8)
-        ADD_FAILURE() << "lse, row " << row << " head " << h << ": " << lse[hq] << " vs " << rl;
-      if (rl != -kInf) worst_lse = std::max(worst_lse, std::fabs(double{lse[hq]} - rl) / (1.0 + std::fabs(rl)));
-      for (int c = 0; c < C; ++c) {
-        const float g = out[hq * C + c], rv = ref[static_cast<size_t>(h) * C + c];
-        poisoned += bits(g) == kPoisonBits;
-        const float err = std::fabs(g - rv);
-        if (!(err <= tol) && bad++ < 8)
-          ADD_FAILURE() << "out, row " << row << " head " << h << " col " << c << ": " << g << " vs " << rv
-                        << " (tolerance " << tol << ")";
-        if (vmax > 0.0f) worst = std::max(worst, double{err} / vmax);
-      }
-    }
-  }
-  EXPECT_EQ(poisoned, 0) << "outputs never written";
-  EXPECT_EQ(bad, 0) << "elements over the bound";
-  std::printf("mla_attend_generic nvfp4 %s: largest |out error| / max|v| = %.3g (bound 1e-5), largest lse error / "
-              "(1+|lse|) = %.3g (bound 1e-5)\n",
-              attend_case_name({GetParam(), 0}).c_str(), worst, worst_lse);
+  const AttendErrors e =
+      check_attend_against_cpu(q, H, C, R, row_req, row_pos, pool.values, ac.sparse ? indices.data() : nullptr, k,
+                               softmax_scale, out, lse, /*name_request=*/false);
+  EXPECT_EQ(e.poisoned, 0) << "outputs never written";
+  EXPECT_EQ(e.bad, 0) << "elements over the bound";
+  print_attend_errors("mla_attend_generic nvfp4", attend_case_name({GetParam(), 0}), e);
 }
 
 std::vector<AttendCase> attend_cases() {
@@ -462,20 +386,10 @@ struct Mxfp4KeyPool {
 
   Mxfp4KeyPool(std::mt19937& rng, const std::vector<int>& ctx, int D_, int page_size_, uint8_t fill)
       : D(D_), page_size(page_size_), page_stride(int64_t{page_size_} * (D_ / 2 + D_ / 32) + 48) {
-    int total = 3;
-    for (int c : ctx) {
-      const int pages = (c + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages);
-      total += pages;
-    }
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < ctx.size(); ++r)
-      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total * page_stride), fill);
+    ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/0);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages * page_stride), fill);
   }
   int64_t slot(int r, int pos) const {
     return int64_t{block_table[static_cast<size_t>(r) * bt_stride + pos / page_size]} * page_size + pos % page_size;
@@ -498,19 +412,6 @@ std::vector<float> random_key(std::mt19937& rng, int D) {
   for (float& v : x) v = n(rng) * mag;
   if (rng() % 3 == 0) x[rng() % D] *= 3000.0f;
   return x;
-}
-
-// A value z with fl(z * norm) == m, searched within a few ulps of m / norm.
-std::optional<float> preimage(float m, float norm) {
-  const float z0 = static_cast<float>(static_cast<double>(m) / static_cast<double>(norm));
-  float up = z0, down = z0;
-  for (int step = 0; step < 16; ++step) {
-    if (up * norm == m) return up;
-    if (down * norm == m) return down;
-    up = std::nextafter(up, kInf);
-    down = std::nextafter(down, -kInf);
-  }
-  return std::nullopt;
 }
 
 // A key whose Hadamard transform lies on e2m1 rounding midpoints of its blocks' scale 2^e: z e_0 + z2 e_{D/2}
@@ -597,15 +498,6 @@ TEST(Mxfp4KeyWriter, MatchesCpuEncodingBitForBit) {
 
 // ---------------------------------------------------------------- MXFP4 scores and top-k
 
-// Codes uniform over every non-NaN e4m3 code.
-void random_codes(std::mt19937& rng, uint8_t* codes, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    uint8_t c;
-    do c = static_cast<uint8_t>(rng()); while ((c & 0x7F) == 0x7F);
-    codes[i] = c;
-  }
-}
-
 // An MXFP4 key written directly (not through the writer): random e2m1 codes, and block exponents below a largest
 // e_max by 0 to 40, so that blocks more than 14 below it (where mxfp4_key_as_fp8's e4m3 rounds, or flushes to 0) are
 // common. e_max mostly mid-range; sometimes at the low end of E8M0 (below 7 the scale is an fp32 subnormal) or high
@@ -622,28 +514,17 @@ void random_mxfp4_key(std::mt19937& rng, int D, uint8_t* packed, uint8_t* expone
   for (int i = 0; i < D / 2; ++i) packed[i] = zeros ? 0 : static_cast<uint8_t>(rng());
 }
 
-struct ScoreCase {
-  int D, H, page_size, n_q;
-  std::vector<int> ctx;
-  int max_ctx;
-};
-
-struct ScoreRun {
-  std::vector<float> got, want;  // [rows, stride]
-  int64_t stride = 0;
-  int rows = 0;
+struct Mxfp4ScoreRun : ScoreRun {
   int64_t rounded_keys = 0;  // keys with a block more than 14 below e_max
-  DeviceBuffer<float> scores_d;
-  DeviceBuffer<int32_t> ctx_d;
 };
 
 // One case: MXFP4 keys in a pool (some repeated, so that scores tie exactly; one with the E8M0 NaN), FP8 queries with
 // one NaN head, the GPU's scores over the MXFP4 pages and the CPU's over mxfp4_key_as_fp8's codes and scales.
-ScoreRun run_scores(const ScoreCase& c, uint32_t seed) {
+Mxfp4ScoreRun run_scores(const ScoreCase& c, uint32_t seed) {
   std::mt19937 rng(seed);
   const int batch = static_cast<int>(c.ctx.size()), D = c.D, H = c.H;
   Mxfp4KeyPool pool(rng, c.ctx, D, c.page_size, 0x5A);
-  ScoreRun run;
+  Mxfp4ScoreRun run;
   for (int r = 0; r < batch; ++r)
     for (int p = 0; p < c.ctx[r]; ++p) {
       const int64_t slot = pool.slot(r, p);
@@ -731,23 +612,11 @@ TEST(Mxfp4Scores, MatchCpuIndexerScoresBitForBit) {
   for (const ScoreCase& c : score_cases()) {
     SCOPED_TRACE("D " + std::to_string(c.D) + ", H " + std::to_string(c.H) + ", n_q " + std::to_string(c.n_q) +
                  ", max_ctx " + std::to_string(c.max_ctx));
-    const ScoreRun run = run_scores(c, seed++);
-    int64_t mismatches = 0, nan = 0, finite = 0;
-    for (size_t i = 0; i < run.got.size(); ++i) {
-      // Unwritten entries keep the poison's exact bits; written ones (NaN scores included) lose them.
-      const bool same = bits(run.want[i]) == kPoisonBits
-                            ? bits(run.got[i]) == kPoisonBits
-                            : bits(run.got[i]) != kPoisonBits && same_float(run.got[i], run.want[i]);
-      if (!same && mismatches < 5)
-        ADD_FAILURE() << "entry " << i << " (row " << i / run.stride << ", position " << i % run.stride
-                      << "): got " << run.got[i] << ", want " << run.want[i];
-      mismatches += !same;
-      nan += std::isnan(run.want[i]) && bits(run.want[i]) != kPoisonBits;
-      finite += std::isfinite(run.want[i]);
-    }
-    EXPECT_EQ(mismatches, 0);
-    EXPECT_GT(nan, 0);  // the NaN key and the NaN query head were scored
-    EXPECT_GT(finite, 0);
+    const Mxfp4ScoreRun run = run_scores(c, seed++);
+    const ScoreCounts n = compare_scores(run);
+    EXPECT_EQ(n.mismatches, 0);
+    EXPECT_GT(n.nan, 0);  // the NaN key and the NaN query head were scored
+    EXPECT_GT(n.finite, 0);
     if (c.D > 32) {
       EXPECT_GT(run.rounded_keys, 10);  // keys whose conversion rounds were among them
     }
@@ -758,32 +627,9 @@ TEST(Mxfp4Scores, TopkOverMxfp4ScoresMatchesCpuTopk) {
   REQUIRE_GPU();
   uint32_t seed = 700;  // the same inputs as the scores test
   for (const ScoreCase& c : score_cases()) {
-    const ScoreRun run = run_scores(c, seed++);
+    const Mxfp4ScoreRun run = run_scores(c, seed++);
     if (*std::max_element(c.ctx.begin(), c.ctx.end()) > c.max_ctx) continue;  // top-k takes uncut contexts
-    const int batch = static_cast<int>(c.ctx.size());
-    for (const int k : {16, 50}) {
-      SCOPED_TRACE("D " + std::to_string(c.D) + ", H " + std::to_string(c.H) + ", n_q " + std::to_string(c.n_q) +
-                   ", k " + std::to_string(k));
-      const size_t ws_bytes = topk_decode_workspace_bytes(batch, c.n_q, c.max_ctx, k);
-      DeviceBuffer<uint8_t> ws = to_device(std::vector<uint8_t>(std::max<size_t>(ws_bytes, 1), 0));
-      DeviceBuffer<int32_t> out_d = to_device(std::vector<int32_t>(static_cast<size_t>(run.rows) * k, -7));
-      topk_decode(run.scores_d.get(), run.stride, batch, c.n_q, run.ctx_d.get(), c.max_ctx, k, out_d.get(), ws.get(),
-                  ws_bytes, nullptr);
-      sync();
-      const std::vector<int32_t> got = to_host(out_d);
-      for (int r = 0; r < batch; ++r)
-        for (int i = 0; i < c.n_q; ++i) {
-          const int64_t row = int64_t{r} * c.n_q + i;
-          const int n = c.ctx[r] - c.n_q + i + 1;
-          // MlaAttention::select: cpu::topk_indices over the CPU's scores, then ascending; -1 padding at the end.
-          std::vector<int32_t> want(static_cast<size_t>(k), -1);
-          cpu::topk_indices(run.want.data() + row * run.stride, n, k, want.data());
-          const auto valid_end = std::stable_partition(want.begin(), want.end(), [](int32_t p) { return p >= 0; });
-          std::sort(want.begin(), valid_end);
-          const std::vector<int32_t> row_got(got.begin() + row * k, got.begin() + (row + 1) * k);
-          EXPECT_EQ(row_got, want) << "row " << row;
-        }
-    }
+    expect_topk_matches_cpu(c, run);
   }
 }
 

@@ -25,19 +25,15 @@
 #include "core/formats.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/runtime.h"
+#include "cuda_test_util.h"
 
 namespace kestrel::cuda {
 namespace {
 
+using namespace test_util;
+
 constexpr int kC = kLatentValueDim;          // 512
 constexpr int kR = kLatentDim - kLatentValueDim;  // 64
-constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-#define REQUIRE_GPU() \
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
-
-uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
 
 // Runs fn(0) .. fn(n - 1) on all cores.
 template <typename F>
@@ -87,20 +83,10 @@ struct LatentPool {
   LatentPool(std::mt19937& rng, const std::vector<int>& ctx, int page_size_, LatentDtype dtype, float kv_scale)
       : page_size(page_size_), row_bytes(latent_row_bytes(dtype)),
         page_stride(int64_t{page_size_} * latent_row_bytes(dtype) + 48) {
-    int total = 3;
-    for (int c : ctx) {
-      const int pages = (c + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages);
-      total += pages;
-    }
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(ctx.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < ctx.size(); ++r)
-      for (int i = 0; i < (ctx[r] + page_size - 1) / page_size; ++i) block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total) * page_stride, 0x7F);  // e4m3 NaN codes; 0x7F7F is a bf16 NaN
+    ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/0);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages) * page_stride, 0x7F);  // e4m3 NaN codes; 0x7F7F is a bf16 NaN
 
     std::normal_distribution<float> n(0.0f, 1.0f);
     values.resize(ctx.size());
@@ -170,10 +156,8 @@ TEST_P(MlaDecode, MatchesCpuWithinBound) {
   a.out = out_d.get();
   a.lse = lse_d.get();
   auto run = [&] {
-    const std::vector<float> poison_out(out_d.size(), std::bit_cast<float>(kPoisonBits));
-    const std::vector<float> poison_lse(lse_d.size(), std::bit_cast<float>(kPoisonBits));
-    out_d.upload(poison_out.data());
-    lse_d.upload(poison_lse.data());
+    fill_poison(out_d);
+    fill_poison(lse_d);
     mla_decode(a, ws.get(), ws_bytes, nullptr);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
     return std::make_pair(to_host(out_d), to_host(lse_d));

@@ -22,18 +22,13 @@
 #include "core/formats.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/runtime.h"
+#include "attend_check.h"
+#include "cuda_test_util.h"
 
 namespace kestrel::cuda {
 namespace {
 
-constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN payload no kernel writes
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-#define REQUIRE_GPU() \
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device"
-
-uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
+using namespace test_util;
 
 // MlaAttention::write_latent's encoding of one value (fp8 latent, Kimi layout).
 uint8_t cpu_latent_code(float v, float kv_scale) { return f32_to_e4m3(std::clamp(v / kv_scale, -kE4m3Max, kE4m3Max)); }
@@ -143,23 +138,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MlaLatentWriteFp8,
 
 // ---------------------------------------------------------------- generic absorbed attention
 
-struct AttendCase {
-  int C, R, H, page_size;
-  bool sparse;
-};
-
-std::string attend_case_name(const ::testing::TestParamInfo<AttendCase>& info) {
-  const AttendCase& a = info.param;
-  return "C" + std::to_string(a.C) + "_R" + std::to_string(a.R) + "_H" + std::to_string(a.H) + "_page" +
-         std::to_string(a.page_size) + (a.sparse ? "_indices" : "_dense");
-}
-
-// One request's share of a batch: its context length and the positions of its query rows.
-struct Request {
-  int ctx;
-  std::vector<int> query_positions;
-};
-
 // The latent pages of a batch: each request's pages handed out in a shuffled order from a pool with three unowned
 // pages; a page is page_size entries of C + R codes followed by an index-key area, as a packed cache row. Every byte
 // that is not a cached entry of a request holds the e4m3 NaN code, so that a read of a wrong row shows up as NaN.
@@ -172,21 +150,11 @@ struct LatentPool {
 
   LatentPool(std::mt19937& rng, const std::vector<Request>& reqs, int page_size_, int C, int R, float kv_scale)
       : page_size(page_size_), width(C + R), page_stride(int64_t{page_size_} * (C + R) + int64_t{page_size_} * 132) {
-    int total = 3;
-    for (const Request& r : reqs) {
-      const int pages = (r.ctx + page_size - 1) / page_size;
-      bt_stride = std::max(bt_stride, pages + 1);  // a spare column past every request's pages, left at -1
-      total += pages;
-    }
-    std::vector<int32_t> order(static_cast<size_t>(total));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(reqs.size() * static_cast<size_t>(bt_stride), -1);
-    size_t next = 0;
-    for (size_t r = 0; r < reqs.size(); ++r)
-      for (int i = 0; i < (reqs[r].ctx + page_size - 1) / page_size; ++i)
-        block_table[r * bt_stride + i] = order[next++];
-    bytes.assign(static_cast<size_t>(total * page_stride), 0x7F);
+    // A spare column past every request's pages, left at -1.
+    ScatteredPages pages = scatter_pages(rng, contexts(reqs), page_size, /*spare_columns=*/1);
+    bt_stride = pages.bt_stride;
+    block_table = std::move(pages.block_table);
+    bytes.assign(static_cast<size_t>(pages.total_pages * page_stride), 0x7F);
 
     std::normal_distribution<float> n(0.0f, 1.0f);
     values.resize(reqs.size());
@@ -222,12 +190,7 @@ TEST_P(MlaAttendGeneric, MatchesCpuWithinBound) {
   std::vector<int> chunk(19);
   std::iota(chunk.begin(), chunk.end(), 45);
   const std::vector<Request> reqs = {{301, {300}}, {64, chunk}, {1, {0}}, {5, {0, 1, 2, 3, 4}}, {70, {69}}};
-  std::vector<int32_t> row_req, row_pos;
-  for (size_t r = 0; r < reqs.size(); ++r)
-    for (int p : reqs[r].query_positions) {
-      row_req.push_back(static_cast<int32_t>(r));
-      row_pos.push_back(p);
-    }
+  const auto [row_req, row_pos] = query_rows(reqs);
   const int rows = static_cast<int>(row_req.size());
   const LatentPool pool(rng, reqs, ac.page_size, C, R, kv_scale);
 
@@ -238,29 +201,8 @@ TEST_P(MlaAttendGeneric, MatchesCpuWithinBound) {
   // positions, some -1 padding, some positions past the row (skipped), some repeats (counted twice). The first row
   // of the 5-row chunk (position 0) gets no valid entry at all.
   constexpr int k = 40;
-  std::vector<int32_t> indices;
-  if (ac.sparse) {
-    indices.resize(static_cast<size_t>(rows) * k);
-    for (int row = 0; row < rows; ++row) {
-      const int pos = row_pos[static_cast<size_t>(row)];
-      const bool none_valid = row_req[static_cast<size_t>(row)] == 3 && pos == 0;
-      int32_t* idx = indices.data() + static_cast<size_t>(row) * k;
-      for (int i = 0; i < k; ++i) {
-        const unsigned kind = rng() % 10;
-        if (none_valid) {
-          idx[i] = kind < 5 ? -1 : pos + 1 + static_cast<int32_t>(rng() % 100);
-        } else if (kind < 6) {
-          idx[i] = static_cast<int32_t>(rng() % (pos + 1));
-        } else if (kind == 6) {
-          idx[i] = -1;
-        } else if (kind == 7) {
-          idx[i] = pos + 1 + static_cast<int32_t>(rng() % 50);
-        } else {
-          idx[i] = i > 0 ? idx[rng() % i] : 0;
-        }
-      }
-    }
-  }
+  const std::vector<int32_t> indices =
+      ac.sparse ? random_index_lists(rng, row_req, row_pos, k, /*empty_request=*/3) : std::vector<int32_t>();
 
   const DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
   const DeviceBuffer<int32_t> bt_d = to_device(pool.block_table);
@@ -269,10 +211,8 @@ TEST_P(MlaAttendGeneric, MatchesCpuWithinBound) {
   DeviceBuffer<int32_t> idx_d = ac.sparse ? to_device(indices) : DeviceBuffer<int32_t>();
   DeviceBuffer<float> out_d(static_cast<size_t>(rows) * H * C), lse_d(static_cast<size_t>(rows) * H);
   auto run = [&] {
-    const std::vector<float> poison_out(out_d.size(), std::bit_cast<float>(kPoisonBits));
-    const std::vector<float> poison_lse(lse_d.size(), std::bit_cast<float>(kPoisonBits));
-    out_d.upload(poison_out.data());
-    lse_d.upload(poison_lse.data());
+    fill_poison(out_d);
+    fill_poison(lse_d);
     mla_attend_generic(q_d.get(), rows, H, C, R, req_d.get(), pos_d.get(),
                        Pages{pool_d.get(), pool.page_stride, pool.page_size}, BlockTable{bt_d.get(), pool.bt_stride},
                        kv_scale, softmax_scale, ac.sparse ? idx_d.get() : nullptr, ac.sparse ? k : 0, out_d.get(),
@@ -289,49 +229,13 @@ TEST_P(MlaAttendGeneric, MatchesCpuWithinBound) {
   // dots, a butterfly and an online softmax over tiles on the GPU). The scores' rounding differences are a few
   // 1e-7 absolute for these magnitudes, which moves lse by about as much and each probability by about as much
   // relative, so out is off by a few 1e-7 * max|value| of the attended rows: 1e-5 leaves an order of magnitude.
-  double worst = 0.0, worst_lse = 0.0;
-  int64_t bad = 0, poisoned = 0, empty_rows = 0;
-  std::vector<float> ref(static_cast<size_t>(H) * C), ref_lse(static_cast<size_t>(H));
-  for (int row = 0; row < rows; ++row) {
-    const size_t r = static_cast<size_t>(row_req[static_cast<size_t>(row)]);
-    const int pos = row_pos[static_cast<size_t>(row)];
-    const int32_t* idx = ac.sparse ? indices.data() + static_cast<size_t>(row) * k : nullptr;
-    cpu::mla_attend_absorbed(q.data() + static_cast<size_t>(row) * H * width, H, C, R, pool.values[r].data(), pos + 1,
-                             idx, ac.sparse ? k : 0, softmax_scale, ref.data(), ref_lse.data());
-    float vmax = 0.0f;
-    for (int i = 0; i < (ac.sparse ? k : pos + 1); ++i) {
-      const int p = ac.sparse ? idx[i] : i;
-      if (p < 0 || p > pos) continue;
-      for (int c = 0; c < C; ++c) vmax = std::max(vmax, std::fabs(pool.values[r][static_cast<size_t>(p) * width + c]));
-    }
-    if (ref_lse[0] == -kInf) ++empty_rows;
-    const float tol = 1e-5f * vmax + 1e-6f;
-    for (int h = 0; h < H; ++h) {
-      const size_t hq = static_cast<size_t>(row) * H + h;
-      const float rl = ref_lse[static_cast<size_t>(h)];
-      if (bits(lse[hq]) == kPoisonBits) ++poisoned;
-      const bool lse_ok = rl == -kInf ? lse[hq] == -kInf : std::fabs(lse[hq] - rl) <= 1e-5f * (1.0f + std::fabs(rl));
-      if (!lse_ok && bad++ < 8)
-        ADD_FAILURE() << "lse, row " << row << " (request " << r << ", position " << pos << ") head " << h << ": "
-                      << lse[hq] << " vs " << rl;
-      if (rl != -kInf) worst_lse = std::max(worst_lse, std::fabs(double{lse[hq]} - rl) / (1.0 + std::fabs(rl)));
-      for (int c = 0; c < C; ++c) {
-        const float g = out[hq * C + c], rv = ref[static_cast<size_t>(h) * C + c];
-        if (bits(g) == kPoisonBits) ++poisoned;
-        const float err = std::fabs(g - rv);
-        if (!(err <= tol) && bad++ < 8)
-          ADD_FAILURE() << "out, row " << row << " (request " << r << ", position " << pos << ") head " << h
-                        << " col " << c << ": " << g << " vs " << rv << " (tolerance " << tol << ")";
-        if (vmax > 0.0f) worst = std::max(worst, double{err} / vmax);
-      }
-    }
-  }
-  EXPECT_EQ(poisoned, 0) << "outputs never written";
-  EXPECT_EQ(bad, 0) << "elements over the bound";
-  EXPECT_EQ(empty_rows, ac.sparse ? 1 : 0) << "the case should hold exactly one row without a valid index";
-  std::printf("mla_attend_generic %s: largest |out error| / max|v| = %.3g (bound 1e-5), largest lse error / "
-              "(1+|lse|) = %.3g (bound 1e-5)\n",
-              attend_case_name({GetParam(), 0}).c_str(), worst, worst_lse);
+  const AttendErrors e =
+      check_attend_against_cpu(q, H, C, R, row_req, row_pos, pool.values, ac.sparse ? indices.data() : nullptr, k,
+                               softmax_scale, out, lse, /*name_request=*/true);
+  EXPECT_EQ(e.poisoned, 0) << "outputs never written";
+  EXPECT_EQ(e.bad, 0) << "elements over the bound";
+  EXPECT_EQ(e.empty_rows, ac.sparse ? 1 : 0) << "the case should hold exactly one row without a valid index";
+  print_attend_errors("mla_attend_generic", attend_case_name({GetParam(), 0}), e);
 }
 
 std::vector<AttendCase> attend_cases() {
