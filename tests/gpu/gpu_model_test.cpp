@@ -573,6 +573,28 @@ INSTANTIATE_TEST_SUITE_P(Small, GpuEngineAboveTopK,
                          ::testing::Values(Case{Arch::kimi_k3, "small"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(arch_name(info.param.arch)); });
 
+// Far above top-2048: a 6144-token prompt of the small kimi_k3 model in chunks of 2048 (the third chunk's indexer
+// picks 2048 of up to 6144 positions), then decode steps reading 2048 of 6144+. The CPU reference takes about 80 s
+// of this test on 2 cores; only kimi_k3 (deepseek_v32's three MLA layers would triple it).
+TEST(GpuEngineK3, ContextFarAboveTopKMatchesCpu) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const Case c{Arch::kimi_k3, "small"};
+  const Model& m = host_model(c, true);
+  const std::vector<int32_t> prompt = random_prompt(6144, 13, m.config().vocab_size);
+  EngineConfig cfg = engine_config();
+  cfg.max_num_batched_tokens = 2048;
+  cfg.max_model_len = 8192;
+  auto gpu = attach_fp32_kda(m, cfg, 0.2, stderr);
+  Engine e(m, cfg);
+  SamplingParams sp;
+  sp.max_tokens = 4;
+  sp.ignore_eos = true;
+  e.add_request(prompt, sp, 0, true);
+  const RequestOutput out = e.run_to_completion().at(0);
+  expect_typical(compare(m, prompt, out.completions.at(0), 4, "kimi_k3 small, 6144 tokens"), typical_bounds(c),
+                 "kimi_k3 small, 6144 tokens");
+}
+
 // kimi_k3 with the 4-bit cache formats (--kv-cache-dtype nvfp4, --index-dtype mxfp4): the NVFP4 latent goes through
 // the generic MLA kernel and the MXFP4 keys through the generic scores. The reference runs with the same formats, so
 // both sides read the same kind of bytes: the GPU's writers are the CPU's encoders bit for bit and its readers decode
