@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/runtime.h"
+#include "kda_bench_inputs.h"
 
 namespace {
 
@@ -22,7 +23,7 @@ using kestrel::cuda::DeviceBuffer;
 using kestrel::cuda::KdaInputs;
 using kestrel::cuda::KdaPrefillPlan;
 
-constexpr int kH = 32, kD = 128;
+constexpr int kH = kestrel::bench::kKdaHeads, kD = kestrel::bench::kKdaDim;
 constexpr double kCopyTBs = 4.27;  // BENCHMARKING.md, device-to-device copy on one H200
 // Peers from BENCHMARKING.md (fla on one H200, 2026-11-30); NOT re-measured in this run.
 constexpr double kFlaRecurrentUs[] = {46, 77, 297};  // fused_recurrent_kda, N = 1 / 64 / 256
@@ -33,18 +34,7 @@ double median(std::vector<double> x) {
   return x[x.size() / 2];
 }
 
-std::vector<float> random_vector(size_t n, float mean, float std_dev, std::mt19937& rng) {
-  std::normal_distribution<float> normal(mean, std_dev);
-  std::vector<float> x(n);
-  for (float& e : x) e = normal(rng);
-  return x;
-}
-
-DeviceBuffer<float> device_random(size_t n, float mean, float std_dev, std::mt19937& rng) {
-  DeviceBuffer<float> d(n);
-  d.upload(random_vector(n, mean, std_dev, rng).data());
-  return d;
-}
+using kestrel::bench::device_random;
 
 struct Timer {
   cudaEvent_t start, stop;
@@ -68,30 +58,7 @@ struct Timer {
   }
 };
 
-// Model-like inputs for T tokens, raw (the kernels fuse the L2 norm, the gate and the beta sigmoid).
-struct Inputs {
-  DeviceBuffer<float> q, k, v, f, beta_logit, A_log, dt_bias;
-  KdaInputs view;
-  Inputs(int64_t T, std::mt19937& rng)
-      : q(device_random(T * kH * kD, 0, 1, rng)),
-        k(device_random(T * kH * kD, 0, 1, rng)),
-        v(device_random(T * kH * kD, 0, 1, rng)),
-        f(device_random(T * kH * kD, 0, 1, rng)),
-        beta_logit(device_random(T * kH, 0, 2, rng)),
-        A_log(device_random(kH, 1.5f, 0.5f, rng)),
-        dt_bias(device_random(kH * kD, -3, 1, rng)) {
-    view.q = q.get();
-    view.k = k.get();
-    view.v = v.get();
-    view.gate = f.get();
-    view.beta = beta_logit.get();
-    view.A_log = A_log.get();
-    view.dt_bias = dt_bias.get();
-    view.beta_is_logit = true;
-    view.normalize_qk = true;
-    view.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  }
-};
+using Inputs = kestrel::bench::KdaBenchInputs;
 
 double copy_bandwidth_tbs(cudaStream_t stream) {
   const size_t bytes = size_t{2} << 30;

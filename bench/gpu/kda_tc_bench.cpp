@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "event_timing.h"
+#include "kda_bench_inputs.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_tc.h"
 #include "kernels/cuda/runtime.h"
@@ -25,49 +26,13 @@ using kestrel::cuda::DeviceBuffer;
 using kestrel::cuda::KdaInputs;
 using kestrel::cuda::KdaPrefillPlan;
 
-constexpr int kH = 32, kD = 128;
+constexpr int kH = kestrel::bench::kKdaHeads, kD = kestrel::bench::kKdaDim;
 // fla chunk_kda on one H200 with the gate fused (bench/results/gpu_engine_h200.md §2); NOT re-measured here.
 constexpr double kFlaFusedMs[] = {1.014, 4.50};  // T = 4096, 32768
 constexpr int64_t kTs[] = {4096, 32768};
 
-// n normal floats (mean, std_dev) on the device: a 16M-float random block drawn on the host, repeated, so that
-// large inputs do not take minutes to draw.
-DeviceBuffer<float> device_random(size_t n, float mean, float std_dev, std::mt19937& rng) {
-  std::normal_distribution<float> normal(mean, std_dev);
-  std::vector<float> block(std::min<size_t>(n, size_t{1} << 24));
-  for (float& e : block) e = normal(rng);
-  DeviceBuffer<float> d(n);
-  for (size_t off = 0; off < n; off += block.size()) {
-    const size_t count = std::min(block.size(), n - off);
-    KESTREL_CUDA_CHECK(cudaMemcpy(d.get() + off, block.data(), count * sizeof(float), cudaMemcpyHostToDevice));
-  }
-  return d;
-}
-
-// Model-like raw inputs for T tokens.
-struct Inputs {
-  DeviceBuffer<float> q, k, v, f, beta_logit, A_log, dt_bias;
-  KdaInputs view;
-  Inputs(int64_t T, std::mt19937& rng)
-      : q(device_random(T * kH * kD, 0, 1, rng)),
-        k(device_random(T * kH * kD, 0, 1, rng)),
-        v(device_random(T * kH * kD, 0, 1, rng)),
-        f(device_random(T * kH * kD, 0, 1, rng)),
-        beta_logit(device_random(T * kH, 0, 2, rng)),
-        A_log(device_random(kH, 1.5f, 0.5f, rng)),
-        dt_bias(device_random(kH * kD, -3, 1, rng)) {
-    view.q = q.get();
-    view.k = k.get();
-    view.v = v.get();
-    view.gate = f.get();
-    view.beta = beta_logit.get();
-    view.A_log = A_log.get();
-    view.dt_bias = dt_bias.get();
-    view.beta_is_logit = true;
-    view.normalize_qk = true;
-    view.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  }
-};
+using Inputs = kestrel::bench::KdaBenchInputs;
+using kestrel::bench::device_random;
 
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

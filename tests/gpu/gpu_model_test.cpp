@@ -1,6 +1,6 @@
 // The GPU engine against the CPU reference: whole-model logits and greedy generations of the tiny and small
-// kimi_linear, kimi_k3 and deepseek_v32 models, through the engine (chunked prefill, batches of prompts and decodes, prefix-cache resumes
-// from KDA checkpoints), in both KDA prefill modes. Runs only where a CUDA device is visible.
+// kimi_linear, kimi_k3 and deepseek_v32 models, through the engine (chunked prefill, batches of prompts and decodes,
+// prefix-cache resumes from KDA checkpoints), in both KDA prefill modes. Runs only where a CUDA device is visible.
 //
 // The reference runs with ModelOptions::bf16_activations: the GPU's numerics (every linear layer's input in bf16,
 // fp32 elsewhere), so that the comparison checks the GPU's kernels and their composition, not bf16 itself. The
@@ -254,6 +254,18 @@ std::unique_ptr<gpu::GpuBackend> attach_fp32_kda(const Model& m, EngineConfig& c
   return gpu;
 }
 
+// One greedy request with kept logits through the GPU engine (prompts' KDA on the fp32 kernel): its completion.
+Completion generate_one(const Model& m, const std::vector<int32_t>& prompt, EngineConfig cfg, double util,
+                        int max_tokens, FILE* log) {
+  auto gpu = attach_fp32_kda(m, cfg, util, log);
+  Engine e(m, cfg);
+  SamplingParams sp;
+  sp.max_tokens = max_tokens;
+  sp.ignore_eos = true;
+  e.add_request(prompt, sp, 0, /*keep_logits=*/true);
+  return e.run_to_completion().at(0).completions.at(0);
+}
+
 void run_and_compare(const Case& c, const Model& m, const Model& exact,
                      const std::vector<std::vector<int32_t>>& prompts, int max_tokens, const std::string& what) {
   EngineConfig cfg = engine_config();
@@ -496,15 +508,7 @@ TEST_P(GpuEngine, EveryPrefixOfTheLayersMatchesCpu) {
     const auto exact = Model::load(truncated_dir(GetParam(), k), o);
     const int64_t V = m->config().vocab_size;
     const std::vector<int32_t> prompt = random_prompt(5, 9, V);
-    EngineConfig cfg = engine_config();
-    auto gpu = attach_fp32_kda(*m, cfg, 0.1, nullptr);
-    Engine e(*m, cfg);
-    SamplingParams sp;
-    sp.max_tokens = 2;
-    sp.ignore_eos = true;
-    e.add_request(prompt, sp, 0, true);
-    const RequestOutput out = e.run_to_completion().at(0);
-    const Completion& got = out.completions.at(0);
+    const Completion got = generate_one(*m, prompt, engine_config(), 0.1, 2, nullptr);
     const std::string what = "first " + std::to_string(k) + " layers";
     const std::vector<float> r = compare(*m, prompt, got, 2, what);
     // Each position within kLogitBound, except where the two CPU references are themselves further apart than that
@@ -557,16 +561,10 @@ TEST_P(GpuEngineAboveTopK, ContextAboveTopKMatchesCpu) {
   EngineConfig cfg = engine_config();
   cfg.max_num_batched_tokens = 1024;
   cfg.max_model_len = 4096;
-  auto gpu = attach_fp32_kda(m, cfg, 0.1, stderr);
-  Engine e(m, cfg);
-  SamplingParams sp;
-  sp.max_tokens = 4;
-  sp.ignore_eos = true;
-  e.add_request(prompt, sp, 0, true);
-  const RequestOutput out = e.run_to_completion().at(0);
+  const Completion got = generate_one(m, prompt, cfg, 0.1, 4, stderr);
   const std::string what = std::string(arch_name(c.arch)) + " small, 2300 tokens";
-  expect_typical(compare(m, prompt, out.completions.at(0), 4, what), typical_bounds(c), what);
-  report_vs_fp32(exact, prompt, out.completions.at(0), 4, what);
+  expect_typical(compare(m, prompt, got, 4, what), typical_bounds(c), what);
+  report_vs_fp32(exact, prompt, got, 4, what);
 }
 
 INSTANTIATE_TEST_SUITE_P(Small, GpuEngineAboveTopK,
@@ -584,14 +582,8 @@ TEST(GpuEngineK3, ContextFarAboveTopKMatchesCpu) {
   EngineConfig cfg = engine_config();
   cfg.max_num_batched_tokens = 2048;
   cfg.max_model_len = 8192;
-  auto gpu = attach_fp32_kda(m, cfg, 0.2, stderr);
-  Engine e(m, cfg);
-  SamplingParams sp;
-  sp.max_tokens = 4;
-  sp.ignore_eos = true;
-  e.add_request(prompt, sp, 0, true);
-  const RequestOutput out = e.run_to_completion().at(0);
-  expect_typical(compare(m, prompt, out.completions.at(0), 4, "kimi_k3 small, 6144 tokens"), typical_bounds(c),
+  const Completion got = generate_one(m, prompt, cfg, 0.2, 4, stderr);
+  expect_typical(compare(m, prompt, got, 4, "kimi_k3 small, 6144 tokens"), typical_bounds(c),
                  "kimi_k3 small, 6144 tokens");
 }
 
@@ -633,15 +625,8 @@ TEST_P(GpuEngineFp4Cache, BatchOfPromptsAndDecodesMatchesCpu) {
 TEST_P(GpuEngineFp4Cache, FewTokensMatchCpu) {
   const Model& m = fp4_cache_model(GetParam(), true);
   const std::vector<int32_t> prompt = random_prompt(5, 9, m.config().vocab_size);
-  EngineConfig cfg = engine_config();
-  auto gpu = attach_fp32_kda(m, cfg, 0.1, nullptr);
-  Engine e(m, cfg);
-  SamplingParams sp;
-  sp.max_tokens = 2;
-  sp.ignore_eos = true;
-  e.add_request(prompt, sp, 0, true);
-  const RequestOutput out = e.run_to_completion().at(0);
-  const std::vector<float> r = compare(m, prompt, out.completions.at(0), 2, "nvfp4/mxfp4, 5 tokens");
+  const std::vector<float> r =
+      compare(m, prompt, generate_one(m, prompt, engine_config(), 0.1, 2, nullptr), 2, "nvfp4/mxfp4, 5 tokens");
   ASSERT_FALSE(r.empty());
   EXPECT_LE(*std::max_element(r.begin(), r.end()), 2 * kLogitBound);
 }
