@@ -1,6 +1,6 @@
 // GPU tests of the DSA decode kernels (src/kernels/cuda/dsa.h) against the CPU reference: the index-key writer
-// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA within their
-// stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
+// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA (over Kimi's and
+// deepseek_v32's latent entries) within their stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
 #include "kernels/cuda/dsa.h"
 
 #include <gtest/gtest.h>
@@ -713,6 +713,26 @@ TEST(DsaArguments, BadShapesThrow) {
   const Pages odd{reinterpret_cast<uint8_t*>(16), 132 * 48, 48};
   EXPECT_THROW(index_key_write(nullptr, KeyDtype::f32, 1, false, nullptr, odd, nullptr), Error);
   EXPECT_THROW(topk_decode(nullptr, 5, 1, 1, nullptr, 10, 8, nullptr, nullptr, 0, nullptr), Error);
+  // Latent rows are copied in 16-byte pieces: a base that is only 8-byte aligned is refused before any launch.
+  SparseMlaDecodeArgs a;
+  a.q_abs = reinterpret_cast<const uint16_t*>(16);
+  a.batch = 1;
+  a.heads = 16;
+  a.indices = reinterpret_cast<const int32_t*>(16);
+  a.k = 64;
+  a.ctx_lens = reinterpret_cast<const int32_t*>(16);
+  a.latent_pages = {reinterpret_cast<uint8_t*>(8), int64_t{64} * kV32LatentEntryBytes, 64};
+  a.entry = SparseMlaEntry::v32_fp8;
+  a.block_table = {reinterpret_cast<const int32_t*>(16), 1};
+  a.softmax_scale = 0.1f;
+  a.out = reinterpret_cast<float*>(16);
+  a.lse = reinterpret_cast<float*>(16);
+  try {
+    sparse_mla_decode(a, nullptr, 0, nullptr);
+    ADD_FAILURE() << "an 8-byte aligned latent base was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
