@@ -704,7 +704,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
                                            MlaCase{64, 2, 2048, {2100, 40}, 1.0f},
                                            MlaCase{128, 1, 2048, {2500, 2048}, 1.0f},
                                            MlaCase{96, 1, 512, {600, 9000}, 5.0f},
-                                           MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f}));
+                                           MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f},
+                                           // A prompt chunk as the engine launches it: one request, many query tokens.
+                                           MlaCase{64, 37, 512, {700}, 1.0f}));
 
 TEST(DsaArguments, BadShapesThrow) {
   const Pages pages{reinterpret_cast<uint8_t*>(16), 132 * 64, 64};
