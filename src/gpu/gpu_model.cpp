@@ -44,6 +44,8 @@ bool fast_mla(const ModelConfig& cfg) {
 bool fast_sparse_mla(const ModelConfig& cfg) {
   return cfg.kv_lora_rank == kFastLatentC && cfg.qk_rope_head_dim == kFastLatentR;
 }
+static_assert(cuda::v32_latent_entry_bytes(kFastLatentC, kFastLatentR) == cuda::kV32LatentEntryBytes,
+              "the sparse MLA kernel's deepseek_v32 entry is the cache's");
 }  // namespace
 
 // ---------------------------------------------------------------- device weights

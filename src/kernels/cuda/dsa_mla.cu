@@ -435,6 +435,9 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   require(reinterpret_cast<uintptr_t>(a.latent_pages.base) % 16 == 0,
           "sparse_mla_decode: the latent pages' base must be 16-byte aligned (rows are copied in 16-byte pieces)");
   const bool v32 = a.entry == SparseMlaEntry::v32_fp8;
+  require(a.latent_pages.page_stride >= int64_t{a.latent_pages.page_size} * (v32 ? kV32LatentEntryBytes : kLatentDim),
+          "sparse_mla_decode: a latent page of " + std::to_string(a.latent_pages.page_stride) +
+              " bytes is smaller than its page_size rows of the entry layout");
   // deepseek_v32's values carry their tile scales; its kv_scale is not used.
   const float kv_scale = v32 ? 1.0f : a.kv_scale;
   require(std::isfinite(kv_scale) && kv_scale > 0.0f && std::isfinite(a.softmax_scale),
