@@ -35,10 +35,17 @@ constexpr int kFastLatentC = 512, kFastLatentR = 64;  // the tensor-core MLA dec
 
 // Whether MLA attention runs the tensor-core kernels (dense mla_decode, sparse sparse_mla_decode): they read Kimi's
 // FP8 entry of C = 512, R = 64. Everything else -- other shapes and deepseek_v32's tiled FP8 entry -- runs the
-// generic fp32 kernel (mla_glue.h).
+// generic fp32 kernel (mla_glue.h), except for fast_sparse_mla below.
 bool fast_mla(const ModelConfig& cfg) {
   return cfg.kv_lora_rank == kFastLatentC && cfg.qk_rope_head_dim == kFastLatentR && cfg.arch != Arch::deepseek_v32;
 }
+// Whether the DSA's sparse MLA runs sparse_mla_decode: it also reads deepseek_v32's FP8 entry (SparseMlaEntry::v32_fp8)
+// of C = 512, R = 64.
+bool fast_sparse_mla(const ModelConfig& cfg) {
+  return cfg.kv_lora_rank == kFastLatentC && cfg.qk_rope_head_dim == kFastLatentR;
+}
+static_assert(cuda::v32_latent_entry_bytes(kFastLatentC, kFastLatentR) == cuda::kV32LatentEntryBytes,
+              "the sparse MLA kernel's deepseek_v32 entry is the cache's");
 }  // namespace
 
 // ---------------------------------------------------------------- device weights
@@ -518,7 +525,7 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     if (cfg.has_indexer) {
       s.index_topk = cfg.index_topk;
       s.indices = arena.take_n<int32_t>(static_cast<size_t>(N * cfg.index_topk), "DSA selected positions");
-      if (fast_mla(cfg)) {
+      if (fast_sparse_mla(cfg)) {
         for (int b = 1; b <= S; ++b)
           s.sparse_ws_bytes = std::max(s.sparse_ws_bytes, cuda::sparse_mla_decode_workspace_bytes(
                                                               b, 1, static_cast<int>(H), cfg.index_topk));
@@ -1212,9 +1219,12 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     indexer->select(s.xf, qlr ? s.qa : s.xf, N, d_row_pos, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
   }
   const int k = s.index_topk;
-  // The tensor-core kernels read Kimi's FP8 latent only; deepseek_v32's and NVFP4 latents go to the generic kernel.
+  // The dense tensor-core kernel reads Kimi's FP8 latent only, the sparse one Kimi's and deepseek_v32's; the other
+  // latents (NVFP4, deepseek_v32's without an indexer) go to the generic kernel.
   const bool fast_latent = fast_mla(cfg) && m.entry == cuda::LatentEntry::kimi_fp8;
-  if (indexer && fast_latent) {
+  const bool fast_sparse = fast_sparse_mla(cfg) && (m.entry == cuda::LatentEntry::kimi_fp8 ||
+                                                    m.entry == cuda::LatentEntry::v32_fp8);
+  if (indexer && fast_sparse) {
     // Sparse MLA over the selected positions: one launch for the single generated tokens, one per prompt.
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
     auto run = [&](int b0, int batch_n, int n_q) {
@@ -1228,6 +1238,7 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
       a.k = k;
       a.ctx_lens = d_ctx + b0;
       a.latent_pages = pages;
+      a.entry = m.entry == cuda::LatentEntry::v32_fp8 ? cuda::SparseMlaEntry::v32_fp8 : cuda::SparseMlaEntry::kimi_fp8;
       a.block_table = {d_bt + b0 * bt_stride, static_cast<int>(bt_stride)};
       a.kv_scale = m.kv_scale;
       a.softmax_scale = scale;
