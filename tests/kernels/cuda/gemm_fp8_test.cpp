@@ -4,6 +4,7 @@
 // with and without the 16-byte alignment of the vectorised path, M from 1 to more than the rows of one pass.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -123,14 +124,59 @@ TEST(GemmFp8, MatchesDequantisedWeightForOddShapes) {
   }
 }
 
+TEST(GemmFp8, MatchesDequantisedWeightAtModelSizes) {
+  SKIP_WITHOUT_GPU();
+  // 2048 x 7168 (DeepSeek-V3.2's FFN down projection): the vectorised path with 7 steps of codes in flight per lane,
+  // M = 16 as two passes of 8 rows. K = 16400: more steps per warp than one batch of loads (8), and a last step
+  // that only its first lanes reach.
+  const Shape shapes[] = {{2048, 7168, 128}, {40, 16400, 128}};
+  std::mt19937 rng(45);
+  for (const Shape& s : shapes) {
+    const Fp8Weight w(s.N, s.K, s.block, rng);
+    const Device dw(w);
+    for (int64_t M : {1, 4, 16}) {
+      SCOPED_TRACE(testing::Message() << "N=" << s.N << " K=" << s.K << " M=" << M);
+      const std::vector<uint16_t> x = random_x(M, s.K, rng);
+      expect_near_reference(w, x, M, s.K, run_fp32(dw, x, M, s.K, s.N), s.N);
+    }
+  }
+}
+
+TEST(GemmFp8, VectorisedAndByteWisePathsGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  // Both paths add the same products in the same order; only the loads differ. The same x as K-wide rows (the
+  // vectorised path), as rows of ldx = K + 3, and shifted by 4 elements (8-byte aligned, not 16) take the byte-wise
+  // path.
+  std::mt19937 rng(46);
+  const Fp8Weight w(37, 1040, 128, rng);
+  const Device dw(w);
+  const int64_t M = 5;
+  const std::vector<uint16_t> x = random_x(M, w.K, rng);
+  const std::vector<float> vec = run_fp32(dw, x, M, w.K, w.N);
+  expect_near_reference(w, x, M, w.K, vec, w.N);
+  std::vector<uint16_t> wide(static_cast<size_t>(M * (w.K + 3)), 0);
+  for (int64_t m = 0; m < M; ++m) std::copy_n(x.begin() + m * w.K, w.K, wide.begin() + m * (w.K + 3));
+  const std::vector<float> strided = run_fp32(dw, wide, M, w.K + 3, w.N);
+  std::vector<uint16_t> shifted(4 + x.size(), 0);
+  std::copy(x.begin(), x.end(), shifted.begin() + 4);
+  DeviceBuffer<uint16_t> dx = to_device(shifted);
+  DeviceBuffer<float> dy(static_cast<size_t>(M * w.N));
+  linear_fp8(dx.get() + 4, M, w.K, dw.view, dy.get(), w.N, nullptr);
+  const std::vector<float> offset = to_host(dy);
+  for (int64_t i = 0; i < M * w.N; ++i) {
+    ASSERT_EQ(std::bit_cast<uint32_t>(strided[i]), std::bit_cast<uint32_t>(vec[i])) << "ldx = K + 3, at " << i;
+    ASSERT_EQ(std::bit_cast<uint32_t>(offset[i]), std::bit_cast<uint32_t>(vec[i])) << "x + 4, at " << i;
+  }
+}
+
 TEST(GemmFp8, StridedRowsAndUntouchedPadding) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(42);
   const Fp8Weight w(70, 256, 128, rng);
   const Device dw(w);
-  // ldx > K (rows of a wider buffer; ldx = 260 keeps the vectorised path, 257 does not) and ldy > N: the columns
-  // of y past N keep their bits.
-  for (int64_t ldx : {260, 257}) {
+  // ldx > K (rows of a wider buffer; ldx = 264 keeps the vectorised path, which needs ldx % 8 == 0, 260 and 257 do
+  // not) and ldy > N: the columns of y past N keep their bits.
+  for (int64_t ldx : {264, 260, 257}) {
     SCOPED_TRACE(testing::Message() << "ldx=" << ldx);
     const int64_t M = 9, ldy = 75;
     const std::vector<uint16_t> x = random_x(M, ldx, rng);
