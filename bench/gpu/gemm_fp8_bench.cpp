@@ -1,9 +1,11 @@
 // Times the FP8 block-scaled linear (gemm_fp8.h) against cuBLASLt on the bf16 copy of the same weight (gemm.h) at
-// decode shapes: M = 1, 8, 64 rows of x; N x K = 7168 x 2048, 2048 x 7168, 24576 x 1536 (DeepSeek-V3.2's FFN
-// down/up and q_b widths). Reports the median time of CUDA-event-timed launches and the weight bytes streamed per
-// second (FP8: codes + scales; bf16: 2 bytes a weight). Each launch reads one of several copies of the weight,
-// together well over the L2 cache, so that the weight comes from memory as in a model step. GpuModel runs the FP8
-// kernel for steps of up to kFp8RowsPerPass rows: the M = 8 line is where it should still be the faster one.
+// decode shapes: M = 1, 2, 4, 8, 16, 64 rows of x; N x K = 7168 x 2048, 2048 x 7168, 24576 x 1536 (DeepSeek-V3.2's
+// FFN down/up and q_b widths). Each launch reads one of several copies of the weight, together well over the L2
+// cache, so that the weight comes from memory as in a model step. Two times per form, medians of CUDA-event-timed
+// runs: a launch among kBatch back-to-back ones (as in a captured model step; the GB/s, weight bytes streamed per
+// second, FP8: codes + scales, bf16: 2 bytes a weight, and the ratio are from this one), and a launch alone
+// (which adds the launch latency: 15 us of FP8 weight at 4 TB/s take under 4 us). GpuModel's kFp8MaxRows
+// (src/gpu/gpu_model.cpp) is the largest M whose ratio is above 1.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -27,7 +29,8 @@ struct Shape {
   int64_t N, K;
 };
 constexpr Shape kShapes[] = {{7168, 2048}, {2048, 7168}, {24576, 1536}};
-constexpr int64_t kRows[] = {1, 8, 64};
+constexpr int64_t kRows[] = {1, 2, 4, 8, 16, 64};
+constexpr int kBatch = 20;  // launches timed together
 constexpr int kBlock = 128;
 constexpr size_t kStreamBytes = size_t{512} << 20;  // per form: ten times the H200's 50 MB L2
 
@@ -76,20 +79,28 @@ void bench(const Shape& s, kestrel::cuda::Gemm& gemm, std::mt19937& rng) {
     auto bf16 = [&](int i) {
       gemm.linear(d_x.get(), M, K, K, d_w.get() + (i % copies) * w_bf16.size(), N, d_y.get(), N, nullptr);
     };
-    const double fp8_us = kestrel::bench::median_us(50, 10, fp8);
-    const double bf16_us = kestrel::bench::median_us(50, 10, bf16);
-    std::printf("N=%-6lld K=%-6lld M=%-3lld  fp8 %8.2f us %7.0f GB/s | cuBLASLt bf16 %8.2f us %7.0f GB/s | fp8 x%.2f\n",
-                static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(M), fp8_us,
-                fp8_bytes / (fp8_us * 1e3), bf16_us, bf16_bytes / (bf16_us * 1e3), bf16_us / fp8_us);
+    auto batched_us = [&](auto& one) {
+      return kestrel::bench::median_us(20, 2, [&](int i) {
+               for (int b = 0; b < kBatch; ++b) one(i * kBatch + b);
+             }) /
+             kBatch;
+    };
+    const double fp8_alone = kestrel::bench::median_us(50, 10, fp8);
+    const double bf16_alone = kestrel::bench::median_us(50, 10, bf16);
+    const double fp8_us = batched_us(fp8), bf16_us = batched_us(bf16);
+    std::printf("N=%-6lld K=%-6lld M=%-3lld  fp8 %7.2f us (alone %7.2f) %5.0f GB/s | cuBLASLt bf16 %7.2f us (alone "
+                "%7.2f) %5.0f GB/s | fp8 x%.2f\n",
+                static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(M), fp8_us, fp8_alone,
+                fp8_bytes / (fp8_us * 1e3), bf16_us, bf16_alone, bf16_bytes / (bf16_us * 1e3), bf16_us / fp8_us);
   }
 }
 
 int run() {
   cudaDeviceProp prop;
   KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, L2 %.0f MB; FP8 e4m3 weights with 128x128 fp32 block scales vs bf16 (GB/s: weight "
-              "bytes streamed per second)\n",
-              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  std::printf("device: %s, %d SMs, L2 %.0f MB; FP8 e4m3 weights with 128x128 fp32 block scales vs bf16 (per launch "
+              "among %d back-to-back, and alone; GB/s: weight bytes streamed per second, back-to-back)\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, kBatch);
   std::mt19937 rng(2028);
   kestrel::cuda::Gemm gemm;
   for (const Shape& s : kShapes) bench(s, gemm, rng);
