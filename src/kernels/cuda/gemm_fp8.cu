@@ -14,8 +14,10 @@
 //
 // x is read straight from global memory through L1 (ld.global.nc), not staged per block: every block of an SM reads
 // the same rows of x, so L1 serves them to all of them (MT * K * 2 bytes: 112 KB for 8 rows of K = 7168), while the
-// weight codes, read once, bypass L1 (L1::no_allocate) so that they do not evict x. The 8 lanes of a row read the
-// same x (broadcast), and a lane converts its 16 values of x per row of the pass once per step.
+// weight codes, read once, bypass L1 (L1::no_allocate) so that they do not evict x. Lane 8r + j reads the 16 values
+// of x of its codes, [16j, 16j + 16) of the step: the 8 lanes of a row of W read 8 different pieces (256 contiguous
+// bytes per row of x), and the 4 lanes with equal j, one per row of W, read the same piece (broadcast). A lane
+// converts its 16 values of x per row of the pass once per step.
 //
 // Arithmetic. Each code pair is decoded by the hardware conversion e4m3x2 -> f16x2 -> 2 x fp32 (exact: every e4m3
 // value is an f16 value), multiplied with x in fp32 FMAs (every product is exact) in ascending k within the
@@ -74,8 +76,9 @@ __device__ __forceinline__ int64_t scale_column(int64_t k, int block, int block_
   return k <= 0xFFFFFFFFll ? static_cast<int64_t>(static_cast<uint32_t>(k) / static_cast<uint32_t>(block)) : k / block;
 }
 
-// MT rows of x per pass. kVec: K % 16 == 0, the codes 16-byte aligned, x 16-byte aligned and ldx % 8 == 0, so a
-// lane's 16 codes and 16 values of x are one 16-byte and two 16-byte loads, all inside K or all outside.
+// MT rows of x per pass. kVec: K % 16 == 0, the codes 16-byte aligned, x 16-byte aligned and ldx % 8 == 0 (or
+// M == 1: ldx is not used), so a lane's 16 codes and 16 values of x are one 16-byte and two 16-byte loads, all
+// inside K or all outside.
 // Blocks of 256 threads per SM the registers allow (without spills, sm_90a): 4 for 1 row (64 registers), 3 for
 // 2 rows (80), 2 for 4 and 8 rows (94, 104).
 template <int MT, bool kVec, bool kBf16Out>
@@ -233,11 +236,15 @@ cudaError_t launch_rows(const uint16_t* x, int64_t M, int64_t ldx, const Fp8Bloc
 
 namespace detail {
 
+bool linear_fp8_vectorised(const uint16_t* x, int64_t M, int64_t ldx, const Fp8BlockMatrix& w) {
+  // With one row, x + m * ldx is x: the row stride does not matter.
+  return w.K % 16 == 0 && reinterpret_cast<uintptr_t>(w.codes) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && (M == 1 || ldx % 8 == 0);
+}
+
 cudaError_t launch_linear_fp8(const uint16_t* x, int64_t M, int64_t ldx, const Fp8BlockMatrix& w, void* y,
                               bool y_bf16, int64_t ldy, cudaStream_t stream) {
-  const bool vec = w.K % 16 == 0 && reinterpret_cast<uintptr_t>(w.codes) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 8 == 0;
-  return vec ? launch_rows<true>(x, M, ldx, w, y, y_bf16, ldy, stream)
+  return linear_fp8_vectorised(x, M, ldx, w) ? launch_rows<true>(x, M, ldx, w, y, y_bf16, ldy, stream)
              : launch_rows<false>(x, M, ldx, w, y, y_bf16, ldy, stream);
 }
 
