@@ -129,9 +129,9 @@ TEST(GemmFp8, MatchesDequantisedWeightForOddShapes) {
 
 TEST(GemmFp8, MatchesDequantisedWeightAtModelSizes) {
   SKIP_WITHOUT_GPU();
-  // 2048 x 7168 (DeepSeek-V3.2's dense FFN up/gate projection): the vectorised path with 7 steps of codes in flight
-  // per lane, M = 16 as two passes of 8 rows. K = 16400: more steps per warp than one batch of loads (8), and a last
-  // step that only its first lanes reach. K = 5000 (not a multiple of 16: the byte-wise path, whose batch is 4 steps
+  // 2048 x 7168 (the up/gate projection of DeepSeek-V3.2's 2048-wide experts): the vectorised path with 7 steps of
+  // codes in flight per lane, M = 16 as two passes of 8 rows. K = 16400: more steps per warp than one batch of loads
+  // (8), and a last step that only its first lanes reach. K = 5000 (not a multiple of 16: the byte-wise path, whose batch is 4 steps
   // a warp, 4096 columns): a second batch of loads, with a last 16-column piece that holds only 8 columns.
   const Shape shapes[] = {{2048, 7168, 128}, {40, 16400, 128}, {40, 5000, 128}};
   std::mt19937 rng(45);
