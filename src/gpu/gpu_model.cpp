@@ -393,6 +393,12 @@ struct StepScratch {
 // powers of two (DeepSeek-V3.2's ue8m0) and rounds the weight otherwise (GpuModel::rounded_weights()).
 namespace {
 
+// TODO(next H200 session): branch h-gemv rewrote the FP8 kernel (up to 128 bytes of codes in flight per lane, x
+// through L1); set kFp8MaxRows to the largest M at which bench/gpu/gemm_fp8_bench.cpp's graph-timed ratio is above
+// 1 on all its shapes and rewrite the paragraph above from the new numbers. Expected: 2 to 4 rows (not measured
+// yet): by a count of its instructions, about 90/144/230/414 per 128-column step for 1/2/4/8 rows, the kernel is
+// bound by instruction issue rather than memory from M >= 4. Until then it stays at the value the old kernel's
+// measurements justify.
 constexpr int64_t kFp8MaxRows = 1;
 
 void linear(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, float* y, cudaStream_t st) {
