@@ -1,8 +1,12 @@
 // One DSA decode layer step on the GPU (index-key scan + top-k + sparse MLA over the FP8 latent) at long context,
 // timed stage by stage and whole, against the roofline of shared/bench/BENCHMARKING.md. Writes a markdown table.
 //
-// Usage: dsa_decode_bench [context=131072]
-//        dsa_decode_bench --profile [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for ncu
+// Usage: dsa_decode_bench [--v32] [context=131072]
+//        dsa_decode_bench --profile [--v32] [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for
+//        ncu
+// --v32: the latent in deepseek_v32's 656-byte entry (SparseMlaEntry::v32_fp8: 4 tiles of 128 e4m3 codes with an
+// fp32 scale each, 64 bf16 RoPE values) instead of Kimi's 576 bytes, for a like-for-like comparison with FlashMLA's
+// sparse decode over the same layout.
 // Inputs are random (quantised Gaussian keys, queries and latents, never zeros), the pages of each request are
 // scattered over the pool, and every timed iteration uses another set of requests' caches (sets of caches until
 // they are several times the 60 MB L2), so the timings read the caches from memory.
@@ -72,22 +76,47 @@ std::vector<uint8_t> latent_block(std::mt19937& rng, int pages, float kv_scale) 
   return b;
 }
 
+// deepseek_v32's entries of Gaussian latent rows, encoded as MlaAttention::write_latent does (per tile of 128 codes
+// and a ue8m0 scale, then the RoPE part in bf16).
+std::vector<uint8_t> v32_latent_block(std::mt19937& rng, int pages) {
+  constexpr int C = kestrel::cuda::kLatentValueDim, R = kestrel::cuda::kLatentDim - C;
+  constexpr int E = kestrel::cuda::kV32LatentEntryBytes;
+  std::vector<uint8_t> b(static_cast<size_t>(pages) * kPage * E);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  float x[kestrel::cuda::kLatentDim];
+  for (size_t row = 0; row < b.size() / E; ++row) {
+    uint8_t* e = b.data() + row * E;
+    for (float& v : x) v = n(rng);
+    for (int t = 0; t < C / 128; ++t) {
+      const float s = kestrel::quantize_fp8_ue8m0(x + 128 * t, 128, e + 128 * t);
+      std::memcpy(e + C + 4 * t, &s, 4);
+    }
+    for (int i = 0; i < R; ++i) {
+      const uint16_t h = kestrel::f32_to_bf16(x[C + i]);
+      std::memcpy(e + C + C / 128 * 4 + 2 * i, &h, 2);
+    }
+  }
+  return b;
+}
+
 struct Result {
   double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
 };
 
-Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile) {
+int latent_entry_bytes(bool v32) { return v32 ? kestrel::cuda::kV32LatentEntryBytes : kestrel::cuda::kLatentDim; }
+
+Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32) {
   std::mt19937 rng(12345);
   const int pages_per_req = L / kPage;
   // Sets of request caches rotated between iterations: at least ~600 MB of index keys + latents in all.
-  const double set_bytes = static_cast<double>(B) * L * (kestrel::cuda::kIndexKeyBytes + kestrel::cuda::kLatentDim);
+  const double set_bytes = static_cast<double>(B) * L * (kestrel::cuda::kIndexKeyBytes + latent_entry_bytes(v32));
   const int sets = std::max(2, static_cast<int>(std::ceil(600e6 / set_bytes)));
   const int64_t total_pages = int64_t{sets} * B * pages_per_req;
-  const int64_t ik_page = int64_t{kPage} * kestrel::cuda::kIndexKeyBytes, lat_page = int64_t{kPage} * kestrel::cuda::kLatentDim;
+  const int64_t ik_page = int64_t{kPage} * kestrel::cuda::kIndexKeyBytes, lat_page = int64_t{kPage} * latent_entry_bytes(v32);
   DeviceBuffer<uint8_t> ik_pool(total_pages * ik_page), lat_pool(total_pages * lat_page);
   const float kv_scale = 4.0f / 448.0f;
   fill_pages(ik_pool.get(), total_pages, ik_page, index_key_block(rng, 512));
-  fill_pages(lat_pool.get(), total_pages, lat_page, latent_block(rng, 256, kv_scale));
+  fill_pages(lat_pool.get(), total_pages, lat_page, v32 ? v32_latent_block(rng, 256) : latent_block(rng, 256, kv_scale));
 
   // Scattered pages: one shuffled permutation of the pool, cut into per-request tables, one table per set.
   std::vector<int32_t> perm(static_cast<size_t>(total_pages));
@@ -148,6 +177,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile) {
     a.k = kTopk;
     a.ctx_lens = ctx_d.get();
     a.latent_pages = pages_of(lat_pool, lat_page);
+    a.entry = v32 ? kestrel::cuda::SparseMlaEntry::v32_fp8 : kestrel::cuda::SparseMlaEntry::kimi_fp8;
     a.block_table = table(i);
     a.kv_scale = kv_scale;
     a.softmax_scale = 0.1352338f;
@@ -228,19 +258,28 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool profile = argc > 1 && std::strcmp(argv[1], "--profile") == 0;
-  const int L = argc > 1 + profile ? std::atoi(argv[1 + profile]) : 131072;
+  bool profile = false, v32 = false;
+  int L = 131072;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--profile") == 0) {
+      profile = true;
+    } else if (std::strcmp(argv[i], "--v32") == 0) {
+      v32 = true;
+    } else {
+      L = std::atoi(argv[i]);
+    }
+  }
   if (kestrel::cuda::device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
   }
   cudaDeviceProp prop{};
   KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, context %d, top-%d, page %d, n_q 1\n", prop.name, prop.multiProcessorCount, L,
-              kTopk, kPage);
+  std::printf("device: %s, %d SMs, context %d, top-%d, page %d, n_q 1, latent entry %d bytes (%s)\n", prop.name,
+              prop.multiProcessorCount, L, kTopk, kPage, latent_entry_bytes(v32), v32 ? "deepseek_v32" : "Kimi");
   double copy_bw = 0;
   if (profile) {
-    run(32, 128, 64, L, &copy_bw, true);
+    run(32, 128, 64, L, &copy_bw, true, v32);
     return 0;
   }
   struct Config {
@@ -252,10 +291,12 @@ int main(int argc, char** argv) {
       "roofline/step exact | roofline/step fp8 | fp8 top-k recall | fp8 scan TB/s |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
-    const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false);
-    // Roofline (BENCHMARKING.md): 132 L / BW + max(576 K / BW, 2176 h K / F) per request, at the measured copy BW.
+    const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false, v32);
+    // Roofline (BENCHMARKING.md): 132 L / BW + max(E K / BW, 2176 h K / F) per request, at the measured copy BW, with
+    // E the latent entry's bytes (576; 656 with --v32).
     const double scan = static_cast<double>(c.B) * 132.0 * L / copy_bw;
-    const double attn = std::max(static_cast<double>(c.B) * 576.0 * kTopk / copy_bw, static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
+    const double attn = std::max(static_cast<double>(c.B) * latent_entry_bytes(v32) * kTopk / copy_bw,
+                                 static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
     const double roof_us = (scan + attn) * 1e6;
     const double scan_tbs = static_cast<double>(c.B) * L * kestrel::cuda::kIndexKeyBytes / (r.scores_fast * 1e-6) / 1e12;
     std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f |\n", c.B,

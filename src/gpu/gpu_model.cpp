@@ -24,6 +24,7 @@
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/cuda/sampling.h"
+#include "kernels/cuda/short_conv_parts.h"
 #include "kernels/cuda/v32_glue.h"
 
 namespace kestrel {
@@ -35,10 +36,17 @@ constexpr int kFastLatentC = 512, kFastLatentR = 64;  // the tensor-core MLA dec
 
 // Whether MLA attention runs the tensor-core kernels (dense mla_decode, sparse sparse_mla_decode): they read Kimi's
 // FP8 entry of C = 512, R = 64. Everything else -- other shapes and deepseek_v32's tiled FP8 entry -- runs the
-// generic fp32 kernel (mla_glue.h).
+// generic fp32 kernel (mla_glue.h), except for fast_sparse_mla below.
 bool fast_mla(const ModelConfig& cfg) {
   return cfg.kv_lora_rank == kFastLatentC && cfg.qk_rope_head_dim == kFastLatentR && cfg.arch != Arch::deepseek_v32;
 }
+// Whether the DSA's sparse MLA runs sparse_mla_decode: it also reads deepseek_v32's FP8 entry (SparseMlaEntry::v32_fp8)
+// of C = 512, R = 64.
+bool fast_sparse_mla(const ModelConfig& cfg) {
+  return cfg.kv_lora_rank == kFastLatentC && cfg.qk_rope_head_dim == kFastLatentR;
+}
+static_assert(cuda::v32_latent_entry_bytes(kFastLatentC, kFastLatentR) == cuda::kV32LatentEntryBytes,
+              "the sparse MLA kernel's deepseek_v32 entry is the cache's");
 }  // namespace
 
 // ---------------------------------------------------------------- device weights
@@ -53,8 +61,10 @@ struct DLinear {
 };
 
 struct DKda {
-  DLinear q, k, v, f_a, f_b, b, g_a, g_b, o;
-  const float *conv_q = nullptr, *conv_k = nullptr, *conv_v = nullptr;  // [P, W]
+  DLinear qkv;   // [q; k; v]: [3P, D], one GEMM for the three projections
+  DLinear fg_a;  // [f_a; g_a]: [2dk, D]
+  DLinear f_b, b, g_b, o;
+  const float* conv_qkv = nullptr;  // [3P, W]: the taps of q, k and v stacked
   const float *A_log = nullptr, *dt_bias = nullptr, *o_norm = nullptr;
 };
 
@@ -130,12 +140,26 @@ class Uploader {
     if (l.fp8) d.fp8 = fp8_block({&*l.fp8}, d.out, d.in, what);
     return d;
   }
-  DLinear stacked(const Linear& a, const Linear& b, const char* what) {
-    KESTREL_CHECK(a.in() == b.in(), "{}: stacked weights of different widths", what);
-    DLinear d{bf16({&a.w, &b.w}, what), a.out() + b.out(), a.in(), {}};
-    // The scale rows stack when a's rows end on a block boundary (DeepSeek-V3.2's widths are multiples of 128).
-    if (a.fp8 && b.fp8 && a.fp8->block == b.fp8->block && a.out() % a.fp8->block == 0)
-      d.fp8 = fp8_block({&*a.fp8, &*b.fp8}, d.out, d.in, what);
+  // Linears of one input width stacked by rows: one GEMM for several projections of the same input.
+  DLinear stacked(const std::vector<const Linear*>& parts, const char* what) {
+    const Linear& first = *parts[0];
+    std::vector<const Tensor*> w;
+    std::vector<const Fp8BlockWeight*> fp8;
+    int64_t out = 0;
+    // The scale rows stack when every part has FP8 codes of one block size and every part but the last ends on a
+    // block boundary (DeepSeek-V3.2's widths are multiples of 128).
+    bool fp8_stacks = first.fp8.has_value();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Linear& l = *parts[i];
+      KESTREL_CHECK(l.in() == first.in(), "{}: stacked weights of different widths", what);
+      w.push_back(&l.w);
+      out += l.out();
+      fp8_stacks = fp8_stacks && l.fp8 && l.fp8->block == first.fp8->block &&
+                   (i + 1 == parts.size() || l.out() % l.fp8->block == 0);
+      if (l.fp8) fp8.push_back(&*l.fp8);
+    }
+    DLinear d{bf16(w, what), out, first.in(), {}};
+    if (fp8_stacks) d.fp8 = fp8_block(fp8, d.out, d.in, what);
     return d;
   }
   // FP8 codes and scales of weights stacked by rows, all of one block size; none for a block the kernel does not
@@ -180,18 +204,15 @@ class Uploader {
 struct GpuWeightAccess {
   static gpu::DKda kda(const KdaMixer& m, gpu::Uploader& up) {
     gpu::DKda d;
-    d.q = up.linear(m.q_, "KDA q_proj");
-    d.k = up.linear(m.k_, "KDA k_proj");
-    d.v = up.linear(m.v_, "KDA v_proj");
-    d.f_a = up.linear(m.f_a_, "KDA f_a_proj");
+    d.qkv = up.stacked({&m.q_, &m.k_, &m.v_}, "KDA q/k/v_proj");
+    d.fg_a = up.stacked({&m.f_a_, &m.g_a_}, "KDA f_a/g_a_proj");
     d.f_b = up.linear(m.f_b_, "KDA f_b_proj");
     d.b = up.linear(m.b_, "KDA b_proj");
-    d.g_a = up.linear(m.g_a_, "KDA g_a_proj");
     d.g_b = up.linear(m.g_b_, "KDA g_b_proj");
     d.o = up.linear(m.o_, "KDA o_proj");
-    d.conv_q = up.f32(m.conv_q_, "KDA conv");
-    d.conv_k = up.f32(m.conv_k_, "KDA conv");
-    d.conv_v = up.f32(m.conv_v_, "KDA conv");
+    std::vector<float> conv;
+    for (const Tensor* c : {&m.conv_q_, &m.conv_k_, &m.conv_v_}) conv.insert(conv.end(), c->data.begin(), c->data.end());
+    d.conv_qkv = up.f32(conv.data(), conv.size(), "KDA conv");
     d.A_log = up.f32(m.A_log_, "KDA A_log");
     d.dt_bias = up.f32(m.dt_bias_, "KDA dt_bias");
     d.o_norm = up.f32(m.o_norm_, "KDA o_norm");
@@ -224,7 +245,7 @@ struct GpuWeightAccess {
   }
 
   static gpu::DFfn ffn(const FeedForward& f, gpu::Uploader& up) {
-    return {up.stacked(f.gate, f.up, "FFN gate/up"), up.linear(f.down, "FFN down"), f.gate.out()};
+    return {up.stacked({&f.gate, &f.up}, "FFN gate/up"), up.linear(f.down, "FFN down"), f.gate.out()};
   }
 
   static gpu::DMoe moe(const MoE& m, const ModelConfig& cfg, gpu::Uploader& up) {
@@ -386,13 +407,24 @@ struct StepScratch {
 // powers of two (DeepSeek-V3.2's ue8m0) and rounds the weight otherwise (GpuModel::rounded_weights()).
 namespace {
 
+// TODO(next H200 session): branch h-gemv rewrote the FP8 kernel (up to 128 bytes of codes in flight per lane, x
+// through L1); set kFp8MaxRows to the largest M at which bench/gpu/gemm_fp8_bench.cpp's graph-timed ratio is above
+// 1 on all its shapes and rewrite the paragraph above from the new numbers. Expected: 2 to 4 rows (not measured
+// yet): by a count of its instructions, about 90/144/230/414 per 128-column step for 1/2/4/8 rows, the kernel is
+// bound by instruction issue rather than memory from M >= 4. Until then it stays at the value the old kernel's
+// measurements justify.
 constexpr int64_t kFp8MaxRows = 1;
 
-void linear(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, float* y, cudaStream_t st) {
+// x with leading dimension ldx (>= l.in): a slice of wider rows, e.g. one half of the KDA mixer's [f_a | g_a].
+void linear(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t ldx, int64_t M, float* y, cudaStream_t st) {
   if (l.fp8 && M <= kFp8MaxRows)
-    cuda::linear_fp8(x, M, l.in, *l.fp8, y, l.out, st);
+    cuda::linear_fp8(x, M, ldx, *l.fp8, y, l.out, st);
   else
-    s.gemm.linear(x, M, l.in, l.in, l.w, l.out, y, l.out, st);
+    s.gemm.linear(x, M, l.in, ldx, l.w, l.out, y, l.out, st);
+}
+
+void linear(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, float* y, cudaStream_t st) {
+  linear(s, l, x, l.in, M, y, st);
 }
 
 void linear_bf16(StepScratch& s, const DLinear& l, const uint16_t* x, int64_t M, uint16_t* y, cudaStream_t st) {
@@ -476,8 +508,13 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
   s.x_bf = b16(N * D, "normed activations (bf16)");
   if (cfg.num_layers_of(LayerKind::kda) > 0) {
     const int64_t H = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = H * dk;
-    for (float** p : {&s.raw, &s.q, &s.k, &s.v, &s.gate, &s.gout, &s.o}) *p = f32(N * P, "KDA activations");
-    s.low_bf = b16(N * dk, "KDA gate bottleneck");
+    // raw: the rows [q | k | v] of the fused projection; q, k and v: its convolved parts, one after another.
+    s.raw = f32(N * 3 * P, "KDA q/k/v projections");
+    s.q = f32(N * 3 * P, "KDA q/k/v");
+    s.k = s.q + N * P;
+    s.v = s.k + N * P;
+    for (float** p : {&s.gate, &s.gout, &s.o}) *p = f32(N * P, "KDA activations");
+    s.low_bf = b16(N * 2 * dk, "KDA gate bottlenecks");
     s.beta = f32(N * H, "KDA beta");
     s.o_bf = b16(N * P, "KDA output");
     if (dk == kFastKdaDim && host.options().kda_chunked_prefill) {
@@ -518,7 +555,7 @@ GpuModel::GpuModel(const Model& host, const GpuLimits& limits, DeviceArena& aren
     if (cfg.has_indexer) {
       s.index_topk = cfg.index_topk;
       s.indices = arena.take_n<int32_t>(static_cast<size_t>(N * cfg.index_topk), "DSA selected positions");
-      if (fast_mla(cfg)) {
+      if (fast_sparse_mla(cfg)) {
         for (int b = 1; b <= S; ++b)
           s.sparse_ws_bytes = std::max(s.sparse_ws_bytes, cuda::sparse_mla_decode_workspace_bytes(
                                                               b, 1, static_cast<int>(H), cfg.index_topk));
@@ -628,7 +665,7 @@ struct StepTables {
   const int32_t* out_rows = nullptr;
   const int64_t *slots = nullptr, *cu = nullptr;
   std::vector<const int32_t*> state_rows;            // per state group: each sequence's state row
-  std::vector<std::array<float* const*, 3>> hist;    // per layer: conv-history pointers of q, k, v
+  std::vector<float* const*> hist;  // per layer: conv-history pointers of q (k's and v's follow, hist_floats apart)
   // KDA through the recurrence (every sequence when dk is not the fast kernels' 128, else those the fast kernels
   // do not take): one launch over sequences [first_recurrent, S) with recurrent_cu, or, when one of them asks for
   // a checkpoint, each sequence in segments cut at its checkpoints.
@@ -773,19 +810,15 @@ bool GpuModel::prepare(const StepBatch& batch, StepTables& t, bool graphs) {
     for (int j = 0; j < S; ++j) r[j] = seqs[ord.seq[j]].state_rows[g];
     t.state_rows[g] = tab.put(r);
   }
-  const int64_t Wc = cfg.short_conv_kernel_size, Hk = cfg.kda_num_heads, dk = cfg.kda_head_dim, P = Hk * dk;
-  const int64_t hist_floats = (Wc - 1) * P;
+  const int64_t Hk = cfg.kda_num_heads, dk = cfg.kda_head_dim;
   auto state_base = [&](int32_t row, size_t l) { return state_at(batch, row, l); };
   t.hist.assign(w_->layers.size(), {});
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     if (!w_->layers[l].kda) continue;
     KESTREL_CHECK(plan.state_offset[l] % 16 == 0, "the GPU needs 16-byte aligned KDA states (layer {})", l);
-    for (int c = 0; c < 3; ++c) {
-      std::vector<float*> p(S);
-      for (int j = 0; j < S; ++j)
-        p[j] = state_base(seqs[ord.seq[j]].state_rows[plan.state_row[l]], l) + Hk * dk * dk + c * hist_floats;
-      t.hist[l][c] = tab.put(p);
-    }
+    std::vector<float*> p(S);
+    for (int j = 0; j < S; ++j) p[j] = state_base(seqs[ord.seq[j]].state_rows[plan.state_row[l]], l) + Hk * dk * dk;
+    t.hist[l] = tab.put(p);
   }
   // Logit rows: each sequence's wanted positions, in the caller's order.
   std::vector<int32_t> out_rows;
@@ -856,29 +889,31 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
       const DKda& k = *L.kda;
       const int g = plan.state_row[l];
       float* pool_states = reinterpret_cast<float*>(batch.pool + plan.state_offset[l]);
-      // Projections, conv-history checkpoints (from the raw inputs, before the conv advances the history) and the
-      // short convolutions.
-      const float* conv_w[3] = {k.conv_q, k.conv_k, k.conv_v};
-      const DLinear* proj[3] = {&k.q, &k.k, &k.v};
-      float* outs[3] = {s.q, s.k, s.v};
-      for (int c = 0; c < 3; ++c) {
-        linear(s, *proj[c], s.x_bf, N, s.raw, st);
-        for (int j = 0; j < S; ++j) {
-          const SequenceStep& q = seqs[ord.seq[j]];
-          const float* hist = state_base(q.state_rows[g], l) + Hk * dk * dk + c * hist_floats;
-          for (const CheckpointTarget& ck : q.checkpoints) {
-            float* dst = state_base(ck.rows[g], l) + Hk * dk * dk + c * hist_floats;
-            for (int64_t i = 0; i < Wc - 1; ++i) {
-              const int64_t rel = ck.position - (Wc - 1) + i - q.start;
-              const float* src = rel >= 0 ? s.raw + (ord.first[j] + rel) * P : hist + (rel + Wc - 1) * P;
-              KESTREL_CUDA_CHECK(cudaMemcpyAsync(dst + i * P, src, P * sizeof(float), cudaMemcpyDeviceToDevice, st));
-            }
+      // The projections [q | k | v] in one GEMM (rows of 3P), conv-history checkpoints (from the raw inputs, before
+      // the convolution advances the histories) and the three short convolutions in one launch.
+      linear(s, k.qkv, s.x_bf, N, s.raw, st);
+      for (int j = 0; j < S; ++j) {
+        const SequenceStep& q = seqs[ord.seq[j]];
+        const float* hist = state_base(q.state_rows[g], l) + Hk * dk * dk;
+        for (const CheckpointTarget& ck : q.checkpoints) {
+          float* dst = state_base(ck.rows[g], l) + Hk * dk * dk;
+          for (int64_t i = 0; i < Wc - 1; ++i) {
+            // Row i of the q, k and v histories (hist_floats apart): one token's raw q, k, v (P apart) or an older
+            // row of the histories.
+            const int64_t rel = ck.position - (Wc - 1) + i - q.start;
+            const float* src = rel >= 0 ? s.raw + (ord.first[j] + rel) * 3 * P : hist + (rel + Wc - 1) * P;
+            const int64_t src_pitch = rel >= 0 ? P : hist_floats;
+            KESTREL_CUDA_CHECK(cudaMemcpy2DAsync(dst + i * P, hist_floats * sizeof(float), src,
+                                                 src_pitch * sizeof(float), P * sizeof(float), 3,
+                                                 cudaMemcpyDeviceToDevice, st));
           }
         }
-        cuda::short_conv_silu_varlen(s.raw, t.cu, S, P, conv_w[c], static_cast<int>(Wc), t.hist[l][c], outs[c], st);
       }
-      linear_bf16(s, k.f_a, s.x_bf, N, s.low_bf, st);
-      linear(s, k.f_b, s.low_bf, N, s.gate, st);
+      cuda::short_conv_silu_varlen_parts(s.raw, 3 * P, t.cu, S, 3, P, k.conv_qkv, static_cast<int>(Wc), t.hist[l],
+                                         hist_floats, s.q, s.k - s.q, st);
+      // [f_a | g_a] in one GEMM (rows of 2dk); f_b and g_b read their halves.
+      linear_bf16(s, k.fg_a, s.x_bf, N, s.low_bf, st);
+      linear(s, k.f_b, s.low_bf, 2 * dk, N, s.gate, st);
       linear(s, k.b, s.x_bf, N, s.beta, st);
       cuda::KdaInputs in;
       in.q = s.q;
@@ -958,8 +993,7 @@ void GpuModel::run(const StepBatch& batch, const StepTables& t) {
                                              Hk * dk * dk * sizeof(float), cudaMemcpyDeviceToDevice, st));
       }
       // Output gate and norm, then o_proj.
-      linear_bf16(s, k.g_a, s.x_bf, N, s.low_bf, st);
-      linear(s, k.g_b, s.low_bf, N, s.gout, st);
+      linear(s, k.g_b, s.low_bf + dk, 2 * dk, N, s.gout, st);
       cuda::kda_gated_rmsnorm_bf16(s.o, s.gout, k.o_norm, N, H, d, cfg.rms_norm_eps, s.o_bf, st);
       linear(s, k.o, s.o_bf, N, s.y, st);
     } else {
@@ -1212,9 +1246,12 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
     indexer->select(s.xf, qlr ? s.qa : s.xf, N, d_row_pos, reqs, d_ctx, key_pages, table, s.indices, st, t.graph);
   }
   const int k = s.index_topk;
-  // The tensor-core kernels read Kimi's FP8 latent only; deepseek_v32's and NVFP4 latents go to the generic kernel.
+  // The dense tensor-core kernel reads Kimi's FP8 latent only, the sparse one Kimi's and deepseek_v32's; the other
+  // latents (NVFP4, deepseek_v32's without an indexer) go to the generic kernel.
   const bool fast_latent = fast_mla(cfg) && m.entry == cuda::LatentEntry::kimi_fp8;
-  if (indexer && fast_latent) {
+  const bool fast_sparse = fast_sparse_mla(cfg) && (m.entry == cuda::LatentEntry::kimi_fp8 ||
+                                                    m.entry == cuda::LatentEntry::v32_fp8);
+  if (indexer && fast_sparse) {
     // Sparse MLA over the selected positions: one launch for the single generated tokens, one per prompt.
     cuda::to_bf16(s.q_abs, N * H * (C + R), s.q_abs_bf, st);
     auto run = [&](int b0, int batch_n, int n_q) {
@@ -1228,6 +1265,7 @@ void GpuModel::mla_layer(const DMla& m, size_t l, const StepBatch& batch, const 
       a.k = k;
       a.ctx_lens = d_ctx + b0;
       a.latent_pages = pages;
+      a.entry = m.entry == cuda::LatentEntry::v32_fp8 ? cuda::SparseMlaEntry::v32_fp8 : cuda::SparseMlaEntry::kimi_fp8;
       a.block_table = {d_bt + b0 * bt_stride, static_cast<int>(bt_stride)};
       a.kv_scale = m.kv_scale;
       a.softmax_scale = scale;

@@ -540,8 +540,9 @@ INSTANTIATE_TEST_SUITE_P(KimiK3, GpuEngine,
                          ::testing::Values(Case{Arch::kimi_k3, "tiny"}, Case{Arch::kimi_k3, "small"}),
                          [](const auto& info) { return std::string(info.param.preset); });
 // deepseek_v32: MLA with YaRN RoPE (query, latent k_pe, indexer query and key) on every layer, its 656-byte-layout
-// FP8 latent read by the generic attention kernel (dense and over the indexer's top-k), a dense first layer, then
-// MoE with grouped routing. Top-16 of the tiny model's context; top-2048 of the small one (dense below 2048).
+// FP8 latent read over the indexer's top-k by the generic attention kernel (tiny: C = 128, R = 16) or the tensor-core
+// sparse_mla_decode (small: C = 512, R = 64), a dense first layer, then MoE with grouped routing. Top-16 of the tiny
+// model's context; top-2048 of the small one (dense below 2048).
 INSTANTIATE_TEST_SUITE_P(DeepseekV32, GpuEngine,
                          ::testing::Values(Case{Arch::deepseek_v32, "tiny"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(info.param.preset); });

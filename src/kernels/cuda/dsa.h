@@ -8,8 +8,9 @@
 // (page_stride is the packed cache's row size, or the page size itself for a plain per-layer pool) and holds
 // page_size consecutive tokens of one request. An index-key page holds page_size * 128 e4m3 codes, then page_size
 // fp32 scales. A latent page holds page_size rows of 576 e4m3 codes (Kimi's layout: [c (512) ; k_pe (64)], one fp32
-// scale per layer). Request r's token at position t lives in page block_table[r * block_table_stride +
-// t / page_size], row t % page_size.
+// scale per layer), or, for sparse_mla_decode with SparseMlaEntry::v32_fp8, page_size rows of deepseek_v32's 656-byte
+// entry. Request r's token at position t lives in page block_table[r * block_table_stride + t / page_size], row
+// t % page_size.
 //
 // Decode rows. A decode step has `batch` requests with n_q query tokens each (n_q > 1: speculative tokens); the
 // context length ctx_lens[r] counts request r's tokens including the n_q new ones, whose keys are written first.
@@ -102,6 +103,16 @@ void topk_decode(const float* scores, int64_t score_stride, int batch, int n_q, 
                  cudaStream_t stream);
 
 // ---------------------------------------------------------------- sparse MLA decode
+// The latent entry sparse_mla_decode reads (each value as MlaAttention::read_latent decodes it).
+enum class SparseMlaEntry {
+  kimi_fp8,  // 576 e4m3 codes [c ; k_pe]; value = code * kv_scale
+  // deepseek_v32 (v32_glue.h, v32_latent_entry_bytes(512, 64)): 512 e4m3 codes in 4 tiles of 128, the 4 tiles'
+  // fp32 scales, then k_pe as 64 bf16 values; value = fp32(code * tile scale) for c, the bf16 value for k_pe;
+  // kv_scale is not applied.
+  v32_fp8,
+};
+constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64 * 2 tail bytes
+
 struct SparseMlaDecodeArgs {
   const uint16_t* q_abs = nullptr;  // [batch * n_q, heads, 576] bf16 bits: absorbed queries [W_UK^T q_nope ; q_pe]
   int batch = 0;
@@ -110,9 +121,10 @@ struct SparseMlaDecodeArgs {
   const int32_t* indices = nullptr;  // [batch * n_q, k] request-relative positions; < 0 or >= ctx_lens[r]: skipped
   int k = 0;
   const int32_t* ctx_lens = nullptr;  // [batch]
-  Pages latent_pages;                 // 576 e4m3 codes per token
+  Pages latent_pages;                 // one `entry` per token: 576 or kV32LatentEntryBytes bytes
+  SparseMlaEntry entry = SparseMlaEntry::kimi_fp8;
   BlockTable block_table;
-  float kv_scale = 1.0f;       // the layer's latent scale: a cached value is e4m3 code * kv_scale
+  float kv_scale = 1.0f;       // kimi_fp8: the layer's latent scale (value = code * kv_scale); v32_fp8: not used
   float softmax_scale = 0.0f;  // scores are (q . row) * softmax_scale
   float* out = nullptr;        // [batch * n_q, heads, 512] fp32
   float* lse = nullptr;        // [batch * n_q, heads] fp32, natural log; -inf for a row with no valid index
@@ -121,11 +133,15 @@ struct SparseMlaDecodeArgs {
 // Device scratch that sparse_mla_decode needs for these shapes on the current device (0 when none).
 size_t sparse_mla_decode_workspace_bytes(int batch, int n_q, int heads, int k);
 
-// out[q, h] = sum_t p_t c_t * kv_scale over the valid indices t of row q, p = softmax((q_abs[q, h] . row_t) *
-// kv_scale * softmax_scale); a row with no valid index gives out = 0 and lse = -inf. bf16 tensor-core products
-// with fp32 accumulation; the probabilities are rounded to bf16 for the value product. Bound against
+// out[q, h] = sum_t p_t c_t over the valid indices t of row q, p = softmax((q_abs[q, h] . row_t) * softmax_scale),
+// with row_t the token's latent row as `entry` decodes it; a row with no valid index gives out = 0 and lse = -inf.
+// bf16 tensor-core products with fp32 accumulation; the probabilities are rounded to bf16 for the value product.
+// Every decoded value enters the products exactly: kimi_fp8 multiplies the codes (bf16-exact) and applies kv_scale
+// to the fp32 scores and outputs; v32_fp8 rounds fp32(code * tile scale) to bf16, exact when the scale is a power of
+// two (what the writer, quantize_fp8_ue8m0, stores) and the product is a normal fp32 number. Bound against
 // cpu::mla_attend_absorbed on the same bf16 query and the dequantised rows (docs/dsa-kernels.md, tested):
 // |out - ref| <= 2^-8 * max |value| over the attended rows (+ fp32 rounding), |lse - ref| <= 1e-4 (1 + |ref|).
+// v32_fp8 needs latent_pages.base 16-byte aligned (as for kimi_fp8: rows are copied in 16-byte pieces).
 void sparse_mla_decode(const SparseMlaDecodeArgs& args, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
 

@@ -1,4 +1,5 @@
-// Sparse MLA decode over an FP8 latent (Kimi's 576-byte rows: 576 e4m3 codes, one fp32 scale per layer).
+// Sparse MLA decode over an FP8 latent: Kimi's 576-byte rows (576 e4m3 codes, one fp32 scale per layer) or
+// deepseek_v32's 656-byte rows (512 e4m3 codes in 4 tiles of 128, the tiles' fp32 scales, 64 bf16 rope values).
 //
 // CTA: 256 threads (8 warps) for one query row, 64 heads and one split of the row's index list, walked in tiles
 // of 32 indices. Warp w owns heads 16 (w % 4) .. +15 and half h = w / 4 of the work: for the scores it multiplies
@@ -8,7 +9,9 @@
 //
 // Per tile: the 32 selected latent rows are gathered with cp.async into an FP8 staging buffer (two buffers: the
 // next tile is in flight while this one is used; invalid indices are zero-filled and masked), converted to bf16
-// (exact: every e4m3 value is a bf16 value) into a padded tile that ldmatrix reads conflict-free, then
+// into a padded tile that ldmatrix reads conflict-free (Kimi: the codes, exact since every e4m3 value is a bf16
+// value, kv_scale applied to the fp32 scores and outputs; deepseek_v32: fp32(code * tile scale) as read_latent
+// computes it, rounded to bf16 -- exact for the writer's power-of-two scales -- and the bf16 tail copied), then
 // S = Q K^T (bf16 MMA, fp32 accumulate), an online softmax in the log2 domain (with the -inf guards that keep
 // rows without any valid index at 0), P rounded to bf16, O += P V; the normaliser sums the unrounded P. The query tile stays in shared memory.
 //
@@ -32,12 +35,23 @@ constexpr int kTile = 32;               // indices per tile
 constexpr int kRowElems = kLatentDim + 8;  // bf16 per shared row: 16 bytes of padding against bank conflicts
 constexpr int kHalfDims = kLatentDim / 2;  // score dims per warp half
 constexpr int kHalfCols = kLatentValueDim / 2;
-constexpr int kChunks = kLatentDim / 16;   // 16-byte pieces of an FP8 row
+constexpr int kChunks = kLatentDim / 16;   // 16-byte pieces of a Kimi FP8 row
 
+// deepseek_v32's entry: 4 tiles of 128 codes, their 4 fp32 scales at byte 512, the bf16 tail at byte 528. An entry
+// is 41 16-byte pieces, so every piece of a 16-byte aligned row is aligned: pieces 0-31 codes, 32 the scales, 33-40
+// the tail.
+constexpr int kV32Tile = 128;
+constexpr int kV32ScaleOffset = kLatentValueDim;
+constexpr int kV32TailOffset = kV32ScaleOffset + kLatentValueDim / kV32Tile * 4;
+constexpr int kV32CodeChunks = kLatentValueDim / 16;
+constexpr int kV32TailChunks = (kLatentDim - kLatentValueDim) * 2 / 16;
+static_assert(kV32TailOffset % 16 == 0 && kV32TailOffset + kV32TailChunks * 16 == kV32LatentEntryBytes);
+
+template <int kEntryBytes>
 struct MlaSmem {
   alignas(16) uint16_t q[kHeadsPerCta][kRowElems];
   alignas(16) uint16_t kv[kTile][kRowElems];
-  alignas(16) uint8_t stage[2][kTile][kLatentDim];
+  alignas(16) uint8_t stage[2][kTile][kEntryBytes];
   float s_part[2][4][4][4][32];  // [half][head tile][n8 tile][register][lane]
   // Per tile, in slot (tile - first tile) % 3: the latent row of each index (nullptr when the index is skipped).
   const uint8_t* src[3][kTile];
@@ -74,9 +88,68 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
+// Two e4m3 codes times a tile scale: fp32(code * scale) each, as dequantize_fp8, then rounded to bf16 (exact when
+// the product has at most 8 significant bits, as for a power-of-two scale).
+__device__ __forceinline__ uint32_t e4m3x2_scaled_to_bf16x2(uint16_t two, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  return pack_bf16(__fmul_rn(f.x, scale), __fmul_rn(f.y, scale));
+}
+
+// The staged FP8 rows of a tile -> bf16 rows of `kv`, each value as MlaAttention::read_latent decodes it (Kimi's
+// without kv_scale, which the caller applies to the fp32 scores and outputs).
+template <int kEntryBytes>
+__device__ __forceinline__ void convert_tile(const uint8_t (&stage)[kTile][kEntryBytes],
+                                             uint16_t (&kv)[kTile][kRowElems], int tid) {
+  if constexpr (kEntryBytes == kLatentDim) {
+    for (int u = tid; u < kTile * kChunks; u += kThreads) {
+      const int key = u / kChunks, chunk = u % kChunks;
+      const uint4 v = *reinterpret_cast<const uint4*>(&stage[key][chunk * 16]);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      uint32_t b[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        b[2 * i] = e4m3x2_to_bf16x2(static_cast<uint16_t>(w[i] & 0xFFFFu));
+        b[2 * i + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(w[i] >> 16));
+      }
+      uint4* dst = reinterpret_cast<uint4*>(&kv[key][chunk * 16]);
+      dst[0] = make_uint4(b[0], b[1], b[2], b[3]);
+      dst[1] = make_uint4(b[4], b[5], b[6], b[7]);
+    }
+  } else {
+    static_assert(kEntryBytes == kV32LatentEntryBytes);
+    constexpr int kUnits = kV32CodeChunks + kV32TailChunks;
+    for (int u = tid; u < kTile * kUnits; u += kThreads) {
+      const int key = u / kUnits, chunk = u % kUnits;
+      if (chunk < kV32CodeChunks) {
+        const uint4 v = *reinterpret_cast<const uint4*>(&stage[key][chunk * 16]);
+        const float scale =
+            *reinterpret_cast<const float*>(&stage[key][kV32ScaleOffset + chunk * 16 / kV32Tile * 4]);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        uint32_t b[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          b[2 * i] = e4m3x2_scaled_to_bf16x2(static_cast<uint16_t>(w[i] & 0xFFFFu), scale);
+          b[2 * i + 1] = e4m3x2_scaled_to_bf16x2(static_cast<uint16_t>(w[i] >> 16), scale);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(&kv[key][chunk * 16]);
+        dst[0] = make_uint4(b[0], b[1], b[2], b[3]);
+        dst[1] = make_uint4(b[4], b[5], b[6], b[7]);
+      } else {
+        const int t = chunk - kV32CodeChunks;
+        *reinterpret_cast<uint4*>(&kv[key][kLatentValueDim + t * 8]) =
+            *reinterpret_cast<const uint4*>(&stage[key][kV32TailOffset + t * 16]);
+      }
+    }
+  }
+}
+
+template <int kEntryBytes>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParams p) {
+  constexpr int kEntryChunks = kEntryBytes / 16;  // 16-byte pieces of a staged row
+  static_assert(kEntryBytes % 16 == 0);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  MlaSmem& sm = *reinterpret_cast<MlaSmem*>(smem_raw);
+  MlaSmem<kEntryBytes>& sm = *reinterpret_cast<MlaSmem<kEntryBytes>*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mt = warp & 3, half = warp >> 2;
   const int g = lane >> 2, tq = lane & 3;
@@ -100,12 +173,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
   };
   auto row_of = [&](int pos, int page) -> const uint8_t* {
     return pos >= 0 && pos < ctx ? p.pages.base + int64_t{page} * p.pages.page_stride +
-                                       int64_t{pos & (p.pages.page_size - 1)} * kLatentDim
+                                       int64_t{pos & (p.pages.page_size - 1)} * kEntryBytes
                                  : nullptr;
   };
   auto issue_tile = [&](int slot, int buf) {
-    for (int u = tid; u < kTile * kChunks; u += kThreads) {
-      const int key = u / kChunks, chunk = u % kChunks;
+    for (int u = tid; u < kTile * kEntryChunks; u += kThreads) {
+      const int key = u / kEntryChunks, chunk = u % kEntryChunks;
       const uint8_t* src = sm.src[slot][key];
       cp_async_16(&sm.stage[buf][key][chunk * 16], src ? src + chunk * 16 : p.pages.base, src ? 16 : 0);
     }
@@ -144,20 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_decode_kernel(MlaParam
       cp_async_wait<0>();
     }
     __syncthreads();
-    for (int u = tid; u < kTile * kChunks; u += kThreads) {
-      const int key = u / kChunks, chunk = u % kChunks;
-      const uint4 v = *reinterpret_cast<const uint4*>(&sm.stage[buf][key][chunk * 16]);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      uint32_t b[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        b[2 * i] = e4m3x2_to_bf16x2(static_cast<uint16_t>(w[i] & 0xFFFFu));
-        b[2 * i + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(w[i] >> 16));
-      }
-      uint4* dst = reinterpret_cast<uint4*>(&sm.kv[key][chunk * 16]);
-      dst[0] = make_uint4(b[0], b[1], b[2], b[3]);
-      dst[1] = make_uint4(b[4], b[5], b[6], b[7]);
-    }
+    convert_tile<kEntryBytes>(sm.stage[buf], sm.kv, tid);
     const int next_page = page_of(next_pos);
     __syncthreads();
 
@@ -322,6 +382,16 @@ Split choose_split(int rows, int heads, int k) {
   return {(tiles + per - 1) / per, per};
 }
 
+template <int kEntryBytes>
+void launch_sparse_mla_kernel(dim3 grid, const MlaParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(MlaSmem<kEntryBytes>);
+  check(cudaFuncSetAttribute(sparse_mla_decode_kernel<kEntryBytes>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)),
+        "cudaFuncSetAttribute(sparse_mla_decode_kernel)");
+  sparse_mla_decode_kernel<kEntryBytes><<<grid, kThreads, smem, stream>>>(p);
+  check(cudaGetLastError(), "sparse_mla_decode kernel launch");
+}
+
 void check_mla_shapes(int batch, int n_q, int heads, int k, const char* fn) {
   require(batch >= 0 && n_q >= 1 && heads >= 1 && k >= 1,
           std::string(fn) + ": need batch >= 0, n_q >= 1, heads >= 1 and k >= 1, got batch " +
@@ -360,7 +430,17 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   if (rows == 0) return;
   require(a.q_abs && a.indices && a.ctx_lens && a.block_table.pages && a.out && a.lse,
           "sparse_mla_decode: a device pointer is missing");
-  require(std::isfinite(a.kv_scale) && a.kv_scale > 0.0f && std::isfinite(a.softmax_scale),
+  require(a.entry == SparseMlaEntry::kimi_fp8 || a.entry == SparseMlaEntry::v32_fp8,
+          "sparse_mla_decode: unknown latent entry layout");
+  require(reinterpret_cast<uintptr_t>(a.latent_pages.base) % 16 == 0,
+          "sparse_mla_decode: the latent pages' base must be 16-byte aligned (rows are copied in 16-byte pieces)");
+  const bool v32 = a.entry == SparseMlaEntry::v32_fp8;
+  require(a.latent_pages.page_stride >= int64_t{a.latent_pages.page_size} * (v32 ? kV32LatentEntryBytes : kLatentDim),
+          "sparse_mla_decode: a latent page of " + std::to_string(a.latent_pages.page_stride) +
+              " bytes is smaller than its page_size rows of the entry layout");
+  // deepseek_v32's values carry their tile scales; its kv_scale is not used.
+  const float kv_scale = v32 ? 1.0f : a.kv_scale;
+  require(std::isfinite(kv_scale) && kv_scale > 0.0f && std::isfinite(a.softmax_scale),
           "sparse_mla_decode: kv_scale must be finite and > 0 and softmax_scale finite");
   const Split sp = choose_split(rows, a.heads, a.k);
   const size_t need = sparse_mla_decode_workspace_bytes(a.batch, a.n_q, a.heads, a.k);
@@ -377,8 +457,8 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   p.ctx_lens = a.ctx_lens;
   p.pages = a.latent_pages;
   p.bt = a.block_table;
-  p.score_log2_scale = static_cast<float>(double{a.softmax_scale} * a.kv_scale * 1.4426950408889634);
-  p.kv_scale = a.kv_scale;
+  p.score_log2_scale = static_cast<float>(double{a.softmax_scale} * kv_scale * 1.4426950408889634);
+  p.kv_scale = kv_scale;
   p.tiles_per_split = sp.tiles_per_split;
   p.splits = sp.splits;
   p.out = a.out;
@@ -388,13 +468,12 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
     p.part_o = static_cast<float*>(workspace);
     p.part_lse = p.part_o + row_heads * sp.splits * kLatentValueDim;
   }
-  const size_t smem = sizeof(MlaSmem);
-  check(cudaFuncSetAttribute(sparse_mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)),
-        "cudaFuncSetAttribute(sparse_mla_decode_kernel)");
   const dim3 grid(sp.splits, (a.heads + kHeadsPerCta - 1) / kHeadsPerCta, rows);
-  sparse_mla_decode_kernel<<<grid, kThreads, smem, stream>>>(p);
-  check(cudaGetLastError(), "sparse_mla_decode kernel launch");
+  if (v32) {
+    launch_sparse_mla_kernel<kV32LatentEntryBytes>(grid, p, stream);
+  } else {
+    launch_sparse_mla_kernel<kLatentDim>(grid, p, stream);
+  }
   if (sp.splits > 1) {
     dsa::launch_split_combine(p.part_o, p.part_lse, sp.splits, row_heads, a.out, a.lse, stream,
                               "sparse_mla_decode combine kernel launch");

@@ -38,6 +38,9 @@ void linear_fp8_bf16(const uint16_t* x, int64_t M, int64_t ldx, const Fp8BlockMa
                      cudaStream_t stream);
 
 namespace detail {
+// Whether a call takes the kernel's vectorised path (16-byte loads of codes and x) rather than the byte-wise one:
+// K % 16 == 0, codes and x 16-byte aligned, and ldx % 8 == 0 unless M == 1. Both give the same bits.
+bool linear_fp8_vectorised(const uint16_t* x, int64_t M, int64_t ldx, const Fp8BlockMatrix& w);
 // Launches the kernel for arguments the host functions checked (M >= 1).
 cudaError_t launch_linear_fp8(const uint16_t* x, int64_t M, int64_t ldx, const Fp8BlockMatrix& w, void* y,
                               bool y_bf16, int64_t ldy, cudaStream_t stream);

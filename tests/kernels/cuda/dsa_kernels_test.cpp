@@ -1,6 +1,6 @@
 // GPU tests of the DSA decode kernels (src/kernels/cuda/dsa.h) against the CPU reference: the index-key writer
-// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA within their
-// stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
+// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA (over Kimi's and
+// deepseek_v32's latent entries) within their stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
 #include "kernels/cuda/dsa.h"
 
 #include <gtest/gtest.h>
@@ -518,25 +518,74 @@ struct MlaCase {
 
 class DsaSparseMla : public ::testing::TestWithParam<MlaCase> {};
 
-TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
-  REQUIRE_GPU();
-  const MlaCase& mc = GetParam();
-  const int H = mc.heads, k = mc.k, batch = static_cast<int>(mc.ctx.size()), rows = batch * mc.n_q;
-  std::mt19937 rng(2024 + H + k + rows);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  const float kv_scale = 4.0f / 448.0f, softmax_scale = 0.1352338f;
+// deepseek_v32's entry (SparseMlaEntry::v32_fp8) of the latent row x [c (512) ; k_pe (64)], as
+// MlaAttention::write_latent encodes it: per tile of 128, quantize_fp8_ue8m0's codes and scale; the tail in bf16.
+void encode_v32_entry(const float* x, uint8_t* e) {
+  for (int t = 0; t < kLatentValueDim / 128; ++t) {
+    const float scale = quantize_fp8_ue8m0(x + 128 * t, 128, e + 128 * t);
+    std::memcpy(e + kLatentValueDim + 4 * t, &scale, 4);
+  }
+  for (int i = 0; i < kLatentDim - kLatentValueDim; ++i) {
+    const uint16_t b = f32_to_bf16(x[kLatentValueDim + i]);
+    std::memcpy(e + kLatentValueDim + 16 + 2 * i, &b, 2);
+  }
+}
 
-  // Latent rows: Gaussian values as e4m3 codes of value / kv_scale; the CPU sees code * kv_scale.
-  PagedPool pool(rng, mc.ctx, 64, int64_t{64} * kLatentDim, 0xCC);
+// The row MlaAttention::read_latent reads from a deepseek_v32 entry: fp32(code * tile scale), then the bf16 tail.
+void decode_v32_entry(const uint8_t* e, float* row) {
+  for (int t = 0; t < kLatentValueDim / 128; ++t) {
+    float scale;
+    std::memcpy(&scale, e + kLatentValueDim + 4 * t, 4);
+    dequantize_fp8(e + 128 * t, 128, scale, row + 128 * t);
+  }
+  for (int i = 0; i < kLatentDim - kLatentValueDim; ++i) {
+    uint16_t b;
+    std::memcpy(&b, e + kLatentValueDim + 16 + 2 * i, 2);
+    row[kLatentValueDim + i] = bf16_to_f32(b);
+  }
+}
+
+// One sparse MLA decode over fresh random latents in the given entry layout, against cpu::mla_attend_absorbed over
+// the rows as read_latent decodes them, within the bound of dsa.h: the decoded values enter the kernel's bf16
+// products exactly in both layouts (Kimi: codes, with kv_scale applied in fp32; deepseek_v32: code * power-of-two
+// tile scale and bf16 tail values, all bf16 values), so the only differences are the bf16 probabilities in P V
+// (at most 2^-9 max |value|) and fp32 accumulation order: |out - ref| <= 2^-8 max |value| over the attended rows
+// (+1e-6 for values near 0), |lse - ref| <= 1e-4 (1 + |ref|).
+void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry) {
+  const bool v32 = entry == SparseMlaEntry::v32_fp8;
+  const int entry_bytes = v32 ? kV32LatentEntryBytes : kLatentDim;
+  const int H = mc.heads, k = mc.k, batch = static_cast<int>(mc.ctx.size()), rows = batch * mc.n_q;
+  std::mt19937 rng(2024 + H + k + rows + (v32 ? 7 : 0));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  // deepseek_v32's entry carries its own scales: a kv_scale other than 1 checks that the kernel ignores it.
+  const float kv_scale = v32 ? 3.0f : 4.0f / 448.0f, softmax_scale = 0.1352338f;
+
+  // Latent rows. Kimi: Gaussian values as e4m3 codes of value / kv_scale; the CPU sees code * kv_scale.
+  // deepseek_v32: Gaussian values with a magnitude per tile of 128 (0.3 to 2, and now and then 1e-6, below the
+  // amax floor: small codes, subnormals among them), encoded as write_latent does; the CPU sees the decode.
+  PagedPool pool(rng, mc.ctx, 64, int64_t{64} * entry_bytes, 0xCC);
+  std::uniform_real_distribution<float> tile_mag(0.3f, 2.0f);
   std::vector<std::vector<float>> rows_f(static_cast<size_t>(batch));
+  std::vector<float> x(kLatentDim);
   for (int r = 0; r < batch; ++r) {
     rows_f[r].resize(static_cast<size_t>(mc.ctx[r]) * kLatentDim);
     for (int s = 0; s < mc.ctx[r]; ++s) {
-      uint8_t* dst = pool.page(r, s) + static_cast<int64_t>(pool.row(s)) * kLatentDim;
-      for (int c = 0; c < kLatentDim; ++c) {
-        const uint8_t code = f32_to_e4m3(n(rng) * (c < kLatentValueDim ? 1.0f : 0.5f) / kv_scale);
-        dst[c] = code;
-        rows_f[r][static_cast<size_t>(s) * kLatentDim + c] = e4m3_to_f32(code) * kv_scale;
+      uint8_t* dst = pool.page(r, s) + static_cast<int64_t>(pool.row(s)) * entry_bytes;
+      float* row = rows_f[r].data() + static_cast<size_t>(s) * kLatentDim;
+      if (v32) {
+        for (int t = 0; t < kLatentValueDim / 128; ++t) {
+          const float mag = rng() % 16 == 0 ? 1e-6f : tile_mag(rng);
+          for (int c = 128 * t; c < 128 * (t + 1); ++c) x[c] = n(rng) * mag;
+        }
+        for (int c = kLatentValueDim; c < kLatentDim; ++c) x[c] = n(rng) * 0.5f;
+        encode_v32_entry(x.data(), dst);
+        decode_v32_entry(dst, row);
+      } else {
+        for (int c = 0; c < kLatentDim; ++c) {
+          const uint8_t code = f32_to_e4m3(n(rng) * (c < kLatentValueDim ? 1.0f : 0.5f) / kv_scale);
+          dst[c] = code;
+          row[c] = e4m3_to_f32(code) * kv_scale;
+        }
       }
     }
   }
@@ -572,6 +621,7 @@ TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
   a.k = k;
   a.ctx_lens = ctx_d.get();
   a.latent_pages = {pool_d.get(), pool.page_stride, pool.page_size};
+  a.entry = entry;
   a.block_table = {bt_d.get(), pool.bt_stride};
   a.kv_scale = kv_scale;
   a.softmax_scale = softmax_scale;
@@ -616,8 +666,18 @@ TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
       EXPECT_EQ(bad, 0) << "row " << row << " head " << h << " (tolerance " << tol << ")";
     }
   }
-  std::printf("sparse MLA H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n", H, k, rows, worst,
-              std::ldexp(1.0, -8));
+  std::printf("sparse MLA (%s) H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n",
+              v32 ? "deepseek_v32 entry" : "Kimi entry", H, k, rows, worst, std::ldexp(1.0, -8));
+}
+
+TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
+  REQUIRE_GPU();
+  check_sparse_mla(GetParam(), SparseMlaEntry::kimi_fp8);
+}
+
+TEST_P(DsaSparseMla, V32EntryMatchesCpuWithinBound) {
+  REQUIRE_GPU();
+  check_sparse_mla(GetParam(), SparseMlaEntry::v32_fp8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
@@ -625,7 +685,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
                                            MlaCase{64, 2, 2048, {2100, 40}, 1.0f},
                                            MlaCase{128, 1, 2048, {2500, 2048}, 1.0f},
                                            MlaCase{96, 1, 512, {600, 9000}, 5.0f},
-                                           MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f}));
+                                           MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f},
+                                           // A prompt chunk as the engine launches it: one request, many query tokens.
+                                           MlaCase{64, 37, 512, {700}, 1.0f}));
 
 TEST(DsaArguments, BadShapesThrow) {
   const Pages pages{reinterpret_cast<uint8_t*>(16), 132 * 64, 64};
@@ -634,6 +696,26 @@ TEST(DsaArguments, BadShapesThrow) {
   const Pages odd{reinterpret_cast<uint8_t*>(16), 132 * 48, 48};
   EXPECT_THROW(index_key_write(nullptr, KeyDtype::f32, 1, false, nullptr, odd, nullptr), Error);
   EXPECT_THROW(topk_decode(nullptr, 5, 1, 1, nullptr, 10, 8, nullptr, nullptr, 0, nullptr), Error);
+  // Latent rows are copied in 16-byte pieces: a base that is only 8-byte aligned is refused before any launch.
+  SparseMlaDecodeArgs a;
+  a.q_abs = reinterpret_cast<const uint16_t*>(16);
+  a.batch = 1;
+  a.heads = 16;
+  a.indices = reinterpret_cast<const int32_t*>(16);
+  a.k = 64;
+  a.ctx_lens = reinterpret_cast<const int32_t*>(16);
+  a.latent_pages = {reinterpret_cast<uint8_t*>(8), int64_t{64} * kV32LatentEntryBytes, 64};
+  a.entry = SparseMlaEntry::v32_fp8;
+  a.block_table = {reinterpret_cast<const int32_t*>(16), 1};
+  a.softmax_scale = 0.1f;
+  a.out = reinterpret_cast<float*>(16);
+  a.lse = reinterpret_cast<float*>(16);
+  try {
+    sparse_mla_decode(a, nullptr, 0, nullptr);
+    ADD_FAILURE() << "an 8-byte aligned latent base was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

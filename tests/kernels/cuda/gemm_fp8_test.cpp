@@ -4,6 +4,7 @@
 // with and without the 16-byte alignment of the vectorised path, M from 1 to more than the rows of one pass.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -109,8 +110,11 @@ struct Shape {
 TEST(GemmFp8, MatchesDequantisedWeightForOddShapes) {
   SKIP_WITHOUT_GPU();
   // K = 200: not a multiple of 16 (the byte-wise path); 272 and 400: multiples of 16 with a partial 128-column
-  // step and scale block (the vectorised path); block 32: several scale blocks inside one 128-column step.
-  const Shape shapes[] = {{300, 200, 128}, {300, 272, 128}, {129, 400, 128}, {77, 400, 32}, {5, 1040, 128}};
+  // step and scale block (the vectorised path); block 32: several scale blocks inside one 128-column step. Blocks
+  // 48, 80 and 144 are not powers of two: the kernel finds a piece's scale column by a 32-bit division, not a
+  // shift.
+  const Shape shapes[] = {{300, 200, 128}, {300, 272, 128}, {129, 400, 128}, {77, 400, 32},  {5, 1040, 128},
+                          {77, 400, 48},   {50, 1040, 80},  {40, 2064, 144}};
   std::mt19937 rng(41);
   for (const Shape& s : shapes) {
     const Fp8Weight w(s.N, s.K, s.block, rng);
@@ -123,18 +127,76 @@ TEST(GemmFp8, MatchesDequantisedWeightForOddShapes) {
   }
 }
 
+TEST(GemmFp8, MatchesDequantisedWeightAtModelSizes) {
+  SKIP_WITHOUT_GPU();
+  // 2048 x 7168 (the up/gate projection of DeepSeek-V3.2's 2048-wide experts): the vectorised path with 7 steps of
+  // codes in flight per lane, M = 16 as two passes of 8 rows. K = 16400: more steps per warp than one batch of loads
+  // (8), and a last step that only its first lanes reach. K = 5000 (not a multiple of 16: the byte-wise path, whose batch is 4 steps
+  // a warp, 4096 columns): a second batch of loads, with a last 16-column piece that holds only 8 columns.
+  const Shape shapes[] = {{2048, 7168, 128}, {40, 16400, 128}, {40, 5000, 128}};
+  std::mt19937 rng(45);
+  for (const Shape& s : shapes) {
+    const Fp8Weight w(s.N, s.K, s.block, rng);
+    const Device dw(w);
+    for (int64_t M : {1, 4, 16}) {
+      SCOPED_TRACE(testing::Message() << "N=" << s.N << " K=" << s.K << " M=" << M);
+      const std::vector<uint16_t> x = random_x(M, s.K, rng);
+      expect_near_reference(w, x, M, s.K, run_fp32(dw, x, M, s.K, s.N), s.N);
+    }
+  }
+}
+
+TEST(GemmFp8, VectorisedAndByteWisePathsGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  // Both paths add the same products in the same order; only the loads differ. The same x as K-wide rows takes the
+  // vectorised path, shifted by 4 elements (8-byte aligned, not 16) the byte-wise path, and as rows of ldx = K + 3
+  // the byte-wise path except at M = 1 (one row: ldx is not used, so the vectorised path); each call's path is
+  // asserted through the dispatch's own condition.
+  std::mt19937 rng(46);
+  const Fp8Weight w(37, 1040, 128, rng);
+  const Device dw(w);
+  for (int64_t M : {1, 2, 3, 5}) {
+    SCOPED_TRACE(testing::Message() << "M=" << M);
+    const std::vector<uint16_t> x = random_x(M, w.K, rng);
+    // y for x laid out as `host` (row r of x at host[offset + r * ldx]), after asserting which path the call takes.
+    auto run = [&](const std::vector<uint16_t>& host, int64_t offset, int64_t ldx, bool vectorised) {
+      DeviceBuffer<uint16_t> dx = to_device(host);
+      EXPECT_EQ(detail::linear_fp8_vectorised(dx.get() + offset, M, ldx, dw.view), vectorised)
+          << "offset " << offset << ", ldx " << ldx;
+      DeviceBuffer<float> dy(static_cast<size_t>(M * w.N));
+      linear_fp8(dx.get() + offset, M, ldx, dw.view, dy.get(), w.N, nullptr);
+      return to_host(dy);
+    };
+    const std::vector<float> vec = run(x, 0, w.K, true);
+    expect_near_reference(w, x, M, w.K, vec, w.N);
+    std::vector<uint16_t> wide(static_cast<size_t>(M * (w.K + 3)), 0);
+    for (int64_t m = 0; m < M; ++m) std::copy_n(x.begin() + m * w.K, w.K, wide.begin() + m * (w.K + 3));
+    const std::vector<float> strided = run(wide, 0, w.K + 3, M == 1);
+    std::vector<uint16_t> shifted(4 + x.size(), 0);
+    std::copy(x.begin(), x.end(), shifted.begin() + 4);
+    const std::vector<float> offset = run(shifted, 4, w.K, false);
+    for (int64_t i = 0; i < M * w.N; ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(strided[i]), std::bit_cast<uint32_t>(vec[i])) << "ldx = K + 3, at " << i;
+      ASSERT_EQ(std::bit_cast<uint32_t>(offset[i]), std::bit_cast<uint32_t>(vec[i])) << "x + 4, at " << i;
+    }
+  }
+}
+
 TEST(GemmFp8, StridedRowsAndUntouchedPadding) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(42);
   const Fp8Weight w(70, 256, 128, rng);
   const Device dw(w);
-  // ldx > K (rows of a wider buffer; ldx = 260 keeps the vectorised path, 257 does not) and ldy > N: the columns
-  // of y past N keep their bits.
-  for (int64_t ldx : {260, 257}) {
+  // ldx > K (rows of a wider buffer; ldx = 264 keeps the vectorised path, which needs ldx % 8 == 0, 260 and 257 do
+  // not) and ldy > N: the columns of y past N keep their bits. The columns of x past K are NaN: a read of any of
+  // them would make its row's outputs NaN.
+  for (int64_t ldx : {264, 260, 257}) {
     SCOPED_TRACE(testing::Message() << "ldx=" << ldx);
     const int64_t M = 9, ldy = 75;
-    const std::vector<uint16_t> x = random_x(M, ldx, rng);
+    std::vector<uint16_t> x = random_x(M, ldx, rng);
+    for (int64_t m = 0; m < M; ++m) std::fill(x.begin() + m * ldx + w.K, x.begin() + (m + 1) * ldx, uint16_t{0x7FC0});
     DeviceBuffer<uint16_t> dx = to_device(x);
+    EXPECT_EQ(detail::linear_fp8_vectorised(dx.get(), M, ldx, dw.view), ldx % 8 == 0);
     std::vector<float> y0(static_cast<size_t>(M * ldy), -7.5f);
     DeviceBuffer<float> dy = to_device(y0);
     linear_fp8(dx.get(), M, ldx, dw.view, dy.get(), ldy, nullptr);
@@ -165,16 +227,38 @@ TEST(GemmFp8, SameBitsForEveryRowCount) {
 TEST(GemmFp8, Bf16OutputIsTheFp32OutputRounded) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(44);
-  const Fp8Weight w(96, 200, 128, rng);
-  const Device dw(w);
-  for (int64_t M : {1, 6, 20}) {
-    const std::vector<uint16_t> x = random_x(M, w.K, rng);
-    const std::vector<float> y32 = run_fp32(dw, x, M, w.K, w.N);
-    DeviceBuffer<uint16_t> dx = to_device(x), dy(static_cast<size_t>(M * w.N));
-    linear_fp8_bf16(dx.get(), M, w.K, dw.view, dy.get(), w.N, nullptr);
-    const std::vector<uint16_t> y16 = to_host(dy);
-    for (size_t i = 0; i < y16.size(); ++i) ASSERT_EQ(y16[i], f32_to_bf16(y32[i])) << "M=" << M << " at " << i;
+  // K = 200: the byte-wise path; K = 256: the vectorised one.
+  for (int64_t K : {200, 256}) {
+    const Fp8Weight w(96, K, 128, rng);
+    const Device dw(w);
+    for (int64_t M : {1, 6, 20}) {
+      SCOPED_TRACE(testing::Message() << "K=" << K << " M=" << M);
+      const std::vector<uint16_t> x = random_x(M, w.K, rng);
+      const std::vector<float> y32 = run_fp32(dw, x, M, w.K, w.N);
+      DeviceBuffer<uint16_t> dx = to_device(x), dy(static_cast<size_t>(M * w.N));
+      EXPECT_EQ(detail::linear_fp8_vectorised(dx.get(), M, w.K, dw.view), K % 16 == 0);
+      linear_fp8_bf16(dx.get(), M, w.K, dw.view, dy.get(), w.N, nullptr);
+      const std::vector<uint16_t> y16 = to_host(dy);
+      for (size_t i = 0; i < y16.size(); ++i) ASSERT_EQ(y16[i], f32_to_bf16(y32[i])) << "at " << i;
+    }
   }
+}
+
+TEST(GemmFp8, VectorisedPathCondition) {
+  // Host-side only (the pointers are never dereferenced): 16-byte loads need K % 16 == 0, codes and x 16-byte
+  // aligned, and rows of x 16-byte apart unless there is one row.
+  const auto* x = reinterpret_cast<const uint16_t*>(uintptr_t{4096});
+  const Fp8BlockMatrix w{reinterpret_cast<const uint8_t*>(uintptr_t{8192}), nullptr, 8, 1040, 128};
+  EXPECT_TRUE(detail::linear_fp8_vectorised(x, 5, 1040, w));
+  EXPECT_TRUE(detail::linear_fp8_vectorised(x, 1, 1043, w));
+  EXPECT_FALSE(detail::linear_fp8_vectorised(x, 2, 1043, w));
+  EXPECT_FALSE(detail::linear_fp8_vectorised(x + 4, 1, 1040, w));
+  Fp8BlockMatrix shifted = w;
+  shifted.codes += 8;
+  EXPECT_FALSE(detail::linear_fp8_vectorised(x, 1, 1040, shifted));
+  Fp8BlockMatrix odd_k = w;
+  odd_k.K = 1036;
+  EXPECT_FALSE(detail::linear_fp8_vectorised(x, 1, 1040, odd_k));
 }
 
 TEST(GemmFp8, RejectsBadArguments) {
