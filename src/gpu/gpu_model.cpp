@@ -398,21 +398,17 @@ struct StepScratch {
 // A linear layer over M tokens: y[M, out] = x[M, in] · W^T, x bf16 and y fp32 (or bf16), rows contiguous.
 // A weight the checkpoint stores in FP8 is on the GPU twice, as its FP8 codes and scales and as bf16. Single-token
 // steps stream the FP8 form (half the bytes); every larger step runs cuBLASLt on the bf16 copy. On an H200
-// (bench/gpu/gemm_fp8_bench.cpp, bench/results/gpu_engine_h200.md) the FP8 kernel is 1.2-1.5x cuBLASLt bf16 at M = 1
-// on 7168x2048 and 2048x7168 weights and even on 24576x1536, but 0.4-0.6x at M = 8: it multiplies on the CUDA
-// cores and reaches only about 1 TB/s of weight traffic, so more rows make it arithmetic-bound. Dequantising into a
-// bf16 scratch per layer instead would add 3 bytes of traffic per weight. The cost is one byte per weight of GPU
-// memory for these linears (the attention projections and dense FFNs; not the routed experts). The FP8 result is
+// (bench/gpu/gemm_fp8_bench.cpp, graph-timed, bench/results/gpu_h200_session4.md) the FP8 kernel is 1.39-1.45x
+// cuBLASLt bf16 at M = 1 on weights with K >= 7168 (2048x7168, 576x7168, 7168x16384, 7168x18432: up to 2.8 TB/s of
+// codes), but 0.98x on 7168x2048 and 0.80x on 24576x1536, and at M = 2 only 0.61-1.05x: it multiplies on the CUDA
+// cores and is bound by instruction issue once a second row shares each loaded weight. So kFp8MaxRows stays 1; a
+// per-shape choice (FP8 at M = 1 only for K >= 4096) would win the last few percent on the short-K shapes. Dequantising
+// into a bf16 scratch per layer instead would add 3 bytes of traffic per weight. The cost is one byte per weight of
+// GPU memory for these linears (the attention projections and dense FFNs; not the routed experts). The FP8 result is
 // the reference's x · (code * scale) up to fp32 rounding order; the bf16 copy is exact when the block scales are
 // powers of two (DeepSeek-V3.2's ue8m0) and rounds the weight otherwise (GpuModel::rounded_weights()).
 namespace {
 
-// TODO(next H200 session): branch h-gemv rewrote the FP8 kernel (up to 128 bytes of codes in flight per lane, x
-// through L1); set kFp8MaxRows to the largest M at which bench/gpu/gemm_fp8_bench.cpp's graph-timed ratio is above
-// 1 on all its shapes and rewrite the paragraph above from the new numbers. Expected: 2 to 4 rows (not measured
-// yet): by a count of its instructions, about 90/144/230/414 per 128-column step for 1/2/4/8 rows, the kernel is
-// bound by instruction issue rather than memory from M >= 4. Until then it stays at the value the old kernel's
-// measurements justify.
 constexpr int64_t kFp8MaxRows = 1;
 
 // x with leading dimension ldx (>= l.in): a slice of wider rows, e.g. one half of the KDA mixer's [f_a | g_a].
