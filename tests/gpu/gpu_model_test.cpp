@@ -572,13 +572,16 @@ INSTANTIATE_TEST_SUITE_P(Small, GpuEngineAboveTopK,
                          ::testing::Values(Case{Arch::kimi_k3, "small"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(arch_name(info.param.arch)); });
 
-// Far above top-2048: a 6144-token prompt of the small kimi_k3 and deepseek_v32 models in chunks of 2048 (the third
-// chunk's indexer picks 2048 of up to 6144 positions), then decode steps reading 2048 of 6144+. The tiny models
-// (top-16) take as long a prompt as their max_position_embeddings allows (4096 for tiny kimi_k3, less a margin for
-// the decode steps). On the H200's 16 cores the CPU reference of the small kimi_k3 case took 31 s.
+// Far above top-2048, through a prefix-cache resume: the small kimi_k3 and deepseek_v32 models first prefill the
+// first 4096 tokens of a 6144-token prompt (chunks of 2048), then the whole prompt comes again as a second request,
+// which resumes from the cached 4096 and prefills the last 2048 in one chunk whose indexer picks 2048 of up to 6144
+// positions from keys the first request wrote, then decodes reading 2048 of 6144+. The second request's logits (the
+// resumed part) are held to the CPU reference. The tiny models (top-16) take as long a prompt as their
+// max_position_embeddings allows (4096 for tiny kimi_k3, less a margin for the decode steps). On the H200's 16 cores
+// the CPU reference of the small kimi_k3 case took about 30 s.
 class GpuEngineFarAboveTopK : public ::testing::TestWithParam<Case> {};
 
-TEST_P(GpuEngineFarAboveTopK, ContextFarAboveTopKMatchesCpu) {
+TEST_P(GpuEngineFarAboveTopK, ContextFarAboveTopKResumeMatchesCpu) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const Case c = GetParam();
   const Model& m = host_model(c, true);
@@ -586,11 +589,25 @@ TEST_P(GpuEngineFarAboveTopK, ContextFarAboveTopKMatchesCpu) {
   const int64_t tokens = std::min<int64_t>(6144, max_pos - 64);
   ASSERT_GT(tokens, 2048 + 1024) << "not far above 2048";
   const std::vector<int32_t> prompt = random_prompt(static_cast<int>(tokens), 13, m.config().vocab_size);
+  const std::vector<int32_t> first(prompt.begin(), prompt.end() - 2048);
   EngineConfig cfg = engine_config();
   cfg.max_num_batched_tokens = 2048;
   cfg.max_model_len = std::min<int64_t>(8192, max_pos);
-  const Completion got = generate_one(m, prompt, cfg, 0.2, 4, stderr);
-  const std::string what = std::string(arch_name(c.arch)) + " " + c.preset + ", " + std::to_string(tokens) + " tokens";
+  auto gpu = attach_fp32_kda(m, cfg, 0.2, stderr);
+  Engine e(m, cfg);
+  SamplingParams sp;
+  sp.max_tokens = 1;
+  sp.ignore_eos = true;
+  e.add_request(first, sp, 0, false);
+  ASSERT_EQ(e.run_to_completion().size(), 1u);
+  sp.max_tokens = 4;
+  e.add_request(prompt, sp, 0, true);
+  const RequestOutput resumed = e.run_to_completion().at(0);
+  const Completion& got = resumed.completions.at(0);
+  EXPECT_GT(got.logits_first, 0) << "the second request should start from cached blocks";
+  EXPECT_GT(e.stats().prefix.hit_tokens, 0);
+  const std::string what = std::string(arch_name(c.arch)) + " " + c.preset + ", " + std::to_string(tokens) +
+                           " tokens, resumed at " + std::to_string(got.logits_first);
   expect_typical(compare(m, prompt, got, 4, what), typical_bounds(c), what);
 }
 
