@@ -7,7 +7,8 @@
 #   csrc/api/api.cpp, which includes CUTLASS). setup.py's git calls (submodule update, version) meet a `git` that
 #   always fails, so they touch nothing and the version falls back to a date.
 # - DeepGEMM: the one C++ module its setup.py builds (deep_gemm._C from csrc/python_api.cpp, same include dirs,
-#   libraries and flags as its get_ext_modules(), plus an rpath to CUDA's lib64 for libnvrtc), built in place
+#   libraries and flags as its get_ext_modules(), plus -g for bench/gpu/native_backtrace.sh's addr2line and an rpath
+#   to CUDA's lib64 for libnvrtc), built in place
 #   without the wheel/packaging steps of its setup.py (which import `wheel` and a stub generator); the cute/ and
 #   cutlass/ header trees linked into deep_gemm/include/ as its develop.sh does, because its JIT compiles kernels
 #   with nvcc -I deep_gemm/include only. The kernels themselves are compiled by that JIT on first use, in
@@ -51,6 +52,14 @@ built_module() {
   esac
 }
 
+# What a build of PEER depends on besides its commit: a finished build with another tag is built again.
+build_tag() {
+  case $1 in
+    deepgemm) echo "cxx -g" ;;
+    *) echo "base" ;;
+  esac
+}
+
 # stage PEER: copies .peers/PEER-src to the build folder and links its CUTLASS in (unpacked once per commit).
 # Returns 2 when a finished build of the same commit is already there, 1 on an error. An unfinished build of the
 # same commit (one that ran out of time) is kept, so that ninja carries on where it stopped.
@@ -61,7 +70,14 @@ stage() {
     return 1
   fi
   if [ -f "$dst/COMMIT" ] && cmp -s "$src/COMMIT" "$dst/COMMIT"; then
-    [ -n "$(built_module "$peer")" ] && return 2
+    local module tag
+    module=$(built_module "$peer")
+    if [ -n "$module" ]; then
+      tag=$(cat "$dst/BUILD_TAG" 2>/dev/null || echo base)
+      [ "$tag" = "$(build_tag "$peer")" ] && return 2
+      echo "built as '$tag', wanted '$(build_tag "$peer")': building again"
+      rm -f "$module"  # else setuptools skips an up-to-date module
+    fi
     echo "resuming the unfinished build in $dst"
     return 0
   fi
@@ -106,8 +122,9 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
 # DeepGEMM's setup.py get_ext_modules(): same source, include dirs (made absolute: ninja compiles from the build
 # folder), libraries and flags.
+# Plus -g (ours, build_tag): the frames of a crash inside deep_gemm._C resolve to lines (native_backtrace.sh).
 cxx_flags = ['-std=c++17', '-O3', '-fPIC', '-Wno-psabi', '-Wno-deprecated-declarations',
-             f'-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}']
+             f'-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}', '-g']
 include_dirs = [f'{CUDA_HOME}/include', f'{CUDA_HOME}/include/cccl'] + [
     os.path.abspath(d) for d in ('deep_gemm/include', 'third-party/cutlass/include', 'third-party/fmt/include')]
 setup(name='deep_gemm',
@@ -152,6 +169,7 @@ for peer in flashmla deepgemm; do
   if [ "${state[$peer]}" = reused ]; then
     echo "peer-build $peer reused commit=$(cat "$WORK/$peer/COMMIT") module=$module"
   elif [ "${state[$peer]}" = built ] && [ "$rc" = 0 ] && [ -n "$module" ]; then
+    build_tag "$peer" >"$WORK/$peer/BUILD_TAG"
     echo "peer-build $peer ok commit=$(cat "$WORK/$peer/COMMIT") seconds=$((SECONDS - start_s)) module=$module"
   else
     if [ "${state[$peer]}" = failed ]; then

@@ -27,83 +27,31 @@
 #include "core/formats.h"
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/runtime.h"
+#include "dsa_bench_inputs.h"
 #include "event_timing.h"
 
 namespace {
 
+using kestrel::bench::fill_pages;
+using kestrel::bench::index_key_block;
+using kestrel::bench::latent_block;
+using kestrel::bench::latent_entry_bytes;
 using kestrel::bench::median_us;
+using kestrel::bench::v32_latent_block;
 
 using kestrel::cuda::BlockTable;
 using kestrel::cuda::DeviceBuffer;
 using kestrel::cuda::Pages;
 
-constexpr int kPage = 64;
+constexpr int kPage = kestrel::bench::kDsaPage;
 constexpr int kTopk = 2048;
 constexpr double kBw = 4.27e12;       // device-to-device copy, bytes read + written (BENCHMARKING.md)
 constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCHMARKING.md)
 
 
-// Fills `dst` with copies of a random host block of whole pages (each page valid: codes never NaN).
-void fill_pages(uint8_t* dst, int64_t pages, int64_t page_bytes, const std::vector<uint8_t>& block) {
-  const int64_t block_pages = static_cast<int64_t>(block.size()) / page_bytes;
-  DeviceBuffer<uint8_t> src(block.size());
-  src.upload(block.data());
-  for (int64_t p = 0; p < pages; p += block_pages) {
-    const int64_t n = std::min(block_pages, pages - p);
-    KESTREL_CUDA_CHECK(cudaMemcpy(dst + p * page_bytes, src.get(), n * page_bytes, cudaMemcpyDeviceToDevice));
-  }
-}
-
-std::vector<uint8_t> index_key_block(std::mt19937& rng, int pages) {
-  std::vector<uint8_t> b(static_cast<size_t>(pages) * kPage * kestrel::cuda::kIndexKeyBytes);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  float x[kestrel::cuda::kIndexHeadDim];
-  for (int p = 0; p < pages; ++p) {
-    uint8_t* page = b.data() + static_cast<size_t>(p) * kPage * kestrel::cuda::kIndexKeyBytes;
-    for (int r = 0; r < kPage; ++r) {
-      for (float& v : x) v = n(rng);
-      const float s = kestrel::quantize_fp8_ue8m0(x, kestrel::cuda::kIndexHeadDim, page + r * 128);
-      std::memcpy(page + kPage * 128 + 4 * r, &s, 4);
-    }
-  }
-  return b;
-}
-
-std::vector<uint8_t> latent_block(std::mt19937& rng, int pages, float kv_scale) {
-  std::vector<uint8_t> b(static_cast<size_t>(pages) * kPage * kestrel::cuda::kLatentDim);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  for (uint8_t& c : b) c = kestrel::f32_to_e4m3(n(rng) / kv_scale);
-  return b;
-}
-
-// deepseek_v32's entries of Gaussian latent rows, encoded as MlaAttention::write_latent does (per tile of 128 codes
-// and a ue8m0 scale, then the RoPE part in bf16).
-std::vector<uint8_t> v32_latent_block(std::mt19937& rng, int pages) {
-  constexpr int C = kestrel::cuda::kLatentValueDim, R = kestrel::cuda::kLatentDim - C;
-  constexpr int E = kestrel::cuda::kV32LatentEntryBytes;
-  std::vector<uint8_t> b(static_cast<size_t>(pages) * kPage * E);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  float x[kestrel::cuda::kLatentDim];
-  for (size_t row = 0; row < b.size() / E; ++row) {
-    uint8_t* e = b.data() + row * E;
-    for (float& v : x) v = n(rng);
-    for (int t = 0; t < C / 128; ++t) {
-      const float s = kestrel::quantize_fp8_ue8m0(x + 128 * t, 128, e + 128 * t);
-      std::memcpy(e + C + 4 * t, &s, 4);
-    }
-    for (int i = 0; i < R; ++i) {
-      const uint16_t h = kestrel::f32_to_bf16(x[C + i]);
-      std::memcpy(e + C + C / 128 * 4 + 2 * i, &h, 2);
-    }
-  }
-  return b;
-}
-
 struct Result {
   double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
 };
-
-int latent_entry_bytes(bool v32) { return v32 ? kestrel::cuda::kV32LatentEntryBytes : kestrel::cuda::kLatentDim; }
 
 Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32) {
   std::mt19937 rng(12345);

@@ -19,9 +19,14 @@ dimension 128. All inputs are random (Gaussian values, quantised as each library
   runs as h_q = 128 (padded heads, as vLLM pads), labelled h_q=128. Kestrel's counterpart is sparse_mla_decode
   (576-byte latent rows). kv_TBps counts the cache rows read (B 2048 656 bytes); TFLOPs counts 2 h_q 2048
   (576 + 512) per request, FlashMLA's convention.
-- `deepgemm mqa_logits` (prefill indexer, no paging) and `flashmla sparse_prefill` (bf16 latent, as FlashMLA's
-  prefill kernel takes it): S = 4096 query tokens at the end of a context of L = 32K / 128K, causal; no Kestrel
-  counterpart yet, for the issue's record.
+- `deepgemm mqa_logits` (prefill indexer, no paging) and `flashmla sparse_prefill` (flash_mla_sparse_fwd: bf16
+  queries [S, h_q, 576], a bf16 latent [L, 1, 576] as FlashMLA's prefill kernel takes it, int32 indices
+  [S, 1, 2048], d_v 512): one prompt chunk of S = 4096 / 1024 query tokens at the end of a context of
+  L = 8K / 32K / 128K, causal (query t at position L - S + t selects 2048 distinct positions <= its own), the
+  shapes of dsa_prefill_bench, Kestrel's counterpart (its "scores" and "sparse MLA" columns; Kestrel reads the FP8
+  latent, FlashMLA's prefill the bf16 one). TFLOPs: DeepGEMM 2 H_I 128 per causal (query, key) pair, FlashMLA
+  2 h_q 2048 (576 + 512) per query, as dsa_prefill_bench counts them. FlashMLA's prefill first checks the last
+  query's output against a float reference over its selected rows (rel_diff_out, informational).
 - `torch dsa_decode`: one DSA decode layer step in plain PyTorch eager (no custom kernels), the "PyTorch
   implementation" of issue 7's ratio, on bf16 paged caches: the request's index keys (bf16 [L, 128]) gathered
   through its page table (index_select of whole pages), logits = q [B, H_I, 128] . k (bmm, bf16 out), relu, the
@@ -59,7 +64,7 @@ ops one by one gets; their graph line is the same ops replayed from a CUDA graph
 Prints one line per measurement, `peer <library> <op> key=value ...`. Exits 0 with `<library> not available: <why>`
 for a peer that is not built or does not import, 1 when a case failed, else 0.
 Usage: python3 bench/gpu/peers_dsa.py [--contexts 8192,32768,131072] [--batches 1,32,64] [--heads 96,128]
-       [--index-heads 32,64] [--sections flashmla_decode,deepgemm_paged,deepgemm_prefill,flashmla_prefill,
+       [--index-heads 32,64] [--prefill-queries 4096,1024] [--prefill-contexts 8192,32768,131072] [--sections flashmla_decode,deepgemm_paged,deepgemm_prefill,flashmla_prefill,
        torch_dsa_decode,torch_dense_mla_decode] [--device cuda|cpu]
 The library sections need contexts that are multiples of 256 and at least 2048; the PyTorch sections take any
 multiple of 64 (shorter than 2048: every token is selected). CPU smoke test:
@@ -533,9 +538,14 @@ class Bench:
                     return fm.flash_mla_sparse_fwd(q, kv, indices, SOFTMAX_SCALE, VALUE)
 
                 t0 = time.perf_counter()
-                call(0)
+                out = call(0)[0]
                 torch.cuda.synchronize()
                 first_s = time.perf_counter() - t0
+                # The last query against a float reference over its selected rows.
+                rows = kv[indices[S - 1, 0].long(), 0].float()
+                p = torch.softmax((q[S - 1].float() @ rows.T) * SOFTMAX_SCALE, dim=-1)
+                print(f"{label} check rel_diff_out={rel_diff(out[S - 1], p @ rows[:, :VALUE]):.2e}"
+                      f" first_call_s={first_s:.1f}")
                 us, best = self.eager_us(call, PREFILL_ITERS)
                 print(f"{label} mode=eager median_us={us:.1f} min_us={best:.1f}"
                       f" TFLOPs={2 * h_q * S * TOPK * (LATENT + VALUE) / (us * 1e-6) / 1e12:.1f}"
@@ -553,8 +563,8 @@ def main():
     parser.add_argument("--batches", type=int_list, default=[1, 32, 64])
     parser.add_argument("--heads", type=int_list, default=[96, 128])
     parser.add_argument("--index-heads", type=int_list, default=[32, 64])
-    parser.add_argument("--prefill-queries", type=int, default=4096)
-    parser.add_argument("--prefill-contexts", type=int_list, default=[32768, 131072])
+    parser.add_argument("--prefill-queries", type=int_list, default=[4096, 1024])
+    parser.add_argument("--prefill-contexts", type=int_list, default=[8192, 32768, 131072])
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the PyTorch sections")
     args = parser.parse_args()
@@ -567,6 +577,10 @@ def main():
     for L in (args.contexts if library_sections else []) + args.prefill_contexts:
         if L % 256 or L < TOPK:
             parser.error(f"context {L}: must be a multiple of 256 and at least {TOPK}")
+    for S in args.prefill_queries:
+        if S < 1 or S > min(args.prefill_contexts) - TOPK:
+            parser.error(f"prefill queries {S}: must be 1 .. {min(args.prefill_contexts) - TOPK} (every query sees"
+                         f" at least {TOPK} positions)")
     for L in args.contexts:
         if L <= 0 or L % PAGE:
             parser.error(f"context {L}: must be a positive multiple of {PAGE}")
@@ -645,10 +659,12 @@ def main():
                     torch.cuda.empty_cache()
         if "deepgemm_prefill" in sections and "deepgemm" in peers:
             for L in args.prefill_contexts:
-                bench.deepgemm_prefill(peers["deepgemm"][0], args.prefill_queries, L, args.index_heads)
+                for S in args.prefill_queries:
+                    bench.deepgemm_prefill(peers["deepgemm"][0], S, L, args.index_heads)
         if "flashmla_prefill" in sections and "flashmla" in peers:
             for L in args.prefill_contexts:
-                bench.flashmla_prefill(peers["flashmla"][0], args.prefill_queries, L, args.heads)
+                for S in args.prefill_queries:
+                    bench.flashmla_prefill(peers["flashmla"][0], S, L, args.heads)
     return 1 if bench.failed else 0
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@
 #   (ncu-dsa.txt); KESTREL_DSA_MEMCHECK_S caps the compute-sanitizer memcheck of small DSA cases (seconds, default
 #   75; 0 skips it; memcheck-dsa.log); KESTREL_DSA_RACECHECK=1 adds a racecheck of small cases (racecheck-dsa.log).
 #   Right after dsa_decode_bench, bench/gpu/peers_dsa.py times the DSA peers -- PyTorch eager DSA and dense MLA
-#   decode layers, FlashMLA's sparse decode and DeepGEMM's paged FP8 indexer logits -- one process per section
+#   decode layers, FlashMLA's sparse decode and prefill, DeepGEMM's paged and prefill FP8 indexer logits (the peers
+#   of dsa_decode_bench and dsa_prefill_bench) -- one process per section
 #   (KESTREL_DSA_PEERS_SECTIONS; each capped at KESTREL_GPU_BENCH_S; bench-peers_dsa.log; a section that segfaults
-#   is re-run under gdb when there is one, gdb-peers_dsa-<section>.log). The libraries are
+#   is re-run under gdb when there is one, gdb-peers_dsa-<section>.log, else under bench/gpu/native_backtrace.sh,
+#   segv-peers_dsa-<section>.log: frames of DeepGEMM's and FlashMLA's modules resolved by addr2line). The libraries are
 #   built from .peers/ into build-peers/ by bench/gpu/build_peers_h200.sh, which runs first
 #   when KESTREL_DSA_PEERS_BUILD=1 (minutes; build-*.log); unbuilt peers print "not available";
 #   KESTREL_DSA_PEERS=0 skips it.
@@ -149,7 +151,7 @@ dsa_peers() {
   [ "${KESTREL_DSA_PEERS_BUILD:-0}" = 1 ] && bash "$ROOT/bench/gpu/build_peers_h200.sh" "$LOGS"
   # One process per section, so that a peer that crashes (DeepGEMM's paged logits segfaulted on the H200) does not
   # take the others with it; a crash is re-run under gdb, when the machine has it, for a native backtrace.
-  local sections=${KESTREL_DSA_PEERS_SECTIONS:-torch_dsa_decode,torch_dense_mla_decode,flashmla_decode,deepgemm_paged}
+  local sections=${KESTREL_DSA_PEERS_SECTIONS:-torch_dsa_decode,torch_dense_mla_decode,flashmla_decode,deepgemm_paged,flashmla_prefill,deepgemm_prefill}
   : >"$LOGS/bench-peers_dsa.log"
   for sec in ${sections//,/ }; do
     PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 -X faulthandler "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" 2>&1 |
@@ -160,6 +162,12 @@ dsa_peers() {
       timeout 120 gdb -batch -ex run -ex bt --args python3 "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" \
         --contexts 8192 --batches 1 >"$LOGS/gdb-peers_dsa-$sec.log" 2>&1
       echo "gdb backtrace of $sec: gdb-peers_dsa-$sec.log"
+    elif [ "$rc" = 139 ] || [ "$rc" = 134 ]; then
+      DG_JIT_DEBUG=1 PYTHONUNBUFFERED=1 timeout 180 bash "$ROOT/bench/gpu/native_backtrace.sh" "$LOGS/segv-peers_dsa-$sec.log" \
+        'deep_gemm/_C|flash_mla/cuda' python3 "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" --contexts 8192 --batches 1 \
+        --prefill-contexts 8192 --prefill-queries 1024
+      echo "native backtrace of $sec (exit $?): segv-peers_dsa-$sec.log"
+      grep -A3 '^resolved' "$LOGS/segv-peers_dsa-$sec.log" | head -40
     fi
   done
 }
