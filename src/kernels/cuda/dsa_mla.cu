@@ -17,6 +17,9 @@
 //
 // When there are few rows the index list is split over several CTAs (flash-decoding); each split writes its
 // normalised partial output and lse, and a second kernel merges them by their lse.
+//
+// On a compute capability 9.0 GPU sparse_mla_decode runs the warpgroup-MMA kernel of dsa_mla_wgmma.cu instead (same
+// splits, same merge); SparseMlaDecodeArgs::kernel chooses explicitly.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
