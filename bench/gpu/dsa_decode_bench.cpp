@@ -220,9 +220,10 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   r.recall = static_cast<double>(common) / (static_cast<double>(B) * kTopk);
   const int iters = 20, warm = 3;
   // The sparse MLA alone reads only B * 2048 rows per launch (1.2 MB at B = 1): rotating the cache sets would leave
-  // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions).
+  // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions); the
+  // mma.sync kernel's launches get selections of their own.
   std::vector<DeviceBuffer<int32_t>> fresh_idx;
-  for (int it = 0; it < iters + warm; ++it) {
+  for (int it = 0; it < 2 * (iters + warm); ++it) {
     std::vector<int32_t> sel(static_cast<size_t>(B) * kTopk);
     std::vector<int32_t> all(static_cast<size_t>(L));
     std::iota(all.begin(), all.end(), 0);
@@ -239,7 +240,8 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
   r.mla = median_us(iters, warm, [&](int i) { mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get()); });
   r.mla_mma_sync = median_us(iters, warm, [&](int i) {
-    mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get(), kestrel::cuda::SparseMlaKernel::mma_sync);
+    mla_step(i, fresh_idx[static_cast<size_t>(iters + warm + i % (iters + warm))].get(),
+             kestrel::cuda::SparseMlaKernel::mma_sync);
   });
   r.step_exact = median_us(iters, warm, [&](int i) {
     scores_step(i, kestrel::cuda::IndexScoreMode::exact);
