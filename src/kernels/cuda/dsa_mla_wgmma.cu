@@ -191,7 +191,9 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
       const uint8_t* const* rows = addr + (local % kAddrSlots) * kTile;
       uint8_t* st = stage_s + (local & 1) * L::kStageBytes;
 #pragma unroll
-      for (int u = wt; u < kTile * kCopy; u += 128) {
+      for (int j = 0; j < (kTile * kCopy + 127) / 128; ++j) {
+        const int u = wt + 128 * j;
+        if (kTile * kCopy % 128 != 0 && u >= kTile * kCopy) break;
         const int r = u / kCopy, c = u % kCopy;
         int src_off = (kFirstPiece<WG> + c) * 16, dst_off = src_off;
         if constexpr (kV32 && WG == 0) {
@@ -211,8 +213,10 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
   auto convert = [&](int local) {
     const uint8_t* st = stage_s + (local & 1) * L::kStageBytes;
     uint8_t* ob = op_s + (local & 1) * kKBytes;
+    static_assert(kTile * kUnits % 128 == 0);
 #pragma unroll
-    for (int u = wt; u < kTile * kUnits; u += 128) {
+    for (int j = 0; j < kTile * kUnits / 128; ++j) {
+      const int u = wt + 128 * j;
       const int r = u / kUnits, c = kFirstPiece<WG> + u % kUnits, sw = r & 7;
       const uint8_t* srow = st + r * L::kStageRow;
       uint8_t* orow = ob + r * 128;
