@@ -712,7 +712,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
                                                MlaCase{96, 3, 100, {150, 90}, 1.0f},
                                                // 70 rows: one split per row, so a CTA walks all 32 tiles (the
                                                // row-address ring and the staging buffers wrap many times).
-                                               MlaCase{16, 2, 1024, std::vector<int>(35, 1100), 1.0f}),
+                                               MlaCase{16, 2, 1024, std::vector<int>(35, 1100), 1.0f},
+                                               // One decode row of H = 128 (the benchmark's B = 1): 64 splits of one
+                                               // tile each, two CTAs per split.
+                                               MlaCase{128, 1, 2048, {3000}, 1.0f}),
                              ::testing::Values(SparseMlaKernel::mma_sync, SparseMlaKernel::wgmma)));
 
 TEST(DsaArguments, BadShapesThrow) {
