@@ -3,7 +3,7 @@
 //
 // Usage: dsa_decode_bench [--v32] [context=131072]
 //        dsa_decode_bench --profile [--v32] [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for
-//        ncu
+//        ncu (the sparse MLA on both of its kernels: wgmma, then mma.sync)
 // --v32: the latent in deepseek_v32's 656-byte entry (SparseMlaEntry::v32_fp8: 4 tiles of 128 e4m3 codes with an
 // fp32 scale each, 64 bf16 RoPE values) instead of Kimi's 576 bytes, for a like-for-like comparison with FlashMLA's
 // sparse decode over the same layout.
@@ -51,6 +51,7 @@ constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCH
 
 struct Result {
   double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
+  double mla_mma_sync;  // the sparse MLA on its mma.sync kernel (SparseMlaKernel::mma_sync), for comparison
 };
 
 Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32) {
@@ -116,7 +117,8 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   auto topk_step = [&](int32_t* idx) {
     kestrel::cuda::topk_decode(scores.get(), L, B, 1, ctx_d.get(), L, kTopk, idx, topk_ws.get(), topk_ws_bytes, nullptr);
   };
-  auto mla_step = [&](int i, const int32_t* idx) {
+  auto mla_step = [&](int i, const int32_t* idx,
+                      kestrel::cuda::SparseMlaKernel kernel = kestrel::cuda::SparseMlaKernel::automatic) {
     kestrel::cuda::SparseMlaDecodeArgs a;
     a.q_abs = q_abs_d.get();
     a.batch = B;
@@ -131,6 +133,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     a.softmax_scale = 0.1352338f;
     a.out = out.get();
     a.lse = lse.get();
+    a.kernel = kernel;
     kestrel::cuda::sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
   };
 
@@ -138,6 +141,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     scores_step(0, kestrel::cuda::IndexScoreMode::exact);
     topk_step(idx_exact.get());
     mla_step(0, idx_exact.get());
+    mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::mma_sync);
     scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
     return {};
@@ -164,9 +168,10 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   r.recall = static_cast<double>(common) / (static_cast<double>(B) * kTopk);
   const int iters = 20, warm = 3;
   // The sparse MLA alone reads only B * 2048 rows per launch (1.2 MB at B = 1): rotating the cache sets would leave
-  // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions).
+  // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions); the
+  // mma.sync kernel's launches get selections of their own.
   std::vector<DeviceBuffer<int32_t>> fresh_idx;
-  for (int it = 0; it < iters + warm; ++it) {
+  for (int it = 0; it < 2 * (iters + warm); ++it) {
     std::vector<int32_t> sel(static_cast<size_t>(B) * kTopk);
     std::vector<int32_t> all(static_cast<size_t>(L));
     std::iota(all.begin(), all.end(), 0);
@@ -182,6 +187,10 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   r.scores_fast = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
   r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
   r.mla = median_us(iters, warm, [&](int i) { mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get()); });
+  r.mla_mma_sync = median_us(iters, warm, [&](int i) {
+    mla_step(i, fresh_idx[static_cast<size_t>(iters + warm + i % (iters + warm))].get(),
+             kestrel::cuda::SparseMlaKernel::mma_sync);
+  });
   r.step_exact = median_us(iters, warm, [&](int i) {
     scores_step(i, kestrel::cuda::IndexScoreMode::exact);
     topk_step(idx_exact.get());
@@ -236,8 +245,8 @@ int main(int argc, char** argv) {
   const Config configs[] = {{1, 128, 64}, {32, 128, 64}, {1, 96, 64}, {32, 96, 64}, {32, 128, 32}, {64, 128, 64}};
   std::printf(
       "\n| B | H | H_I | scores exact | scores fp8 | top-k | sparse MLA | step exact | step fp8 | roofline | "
-      "roofline/step exact | roofline/step fp8 | fp8 top-k recall | fp8 scan TB/s |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "roofline/step exact | roofline/step fp8 | fp8 top-k recall | fp8 scan TB/s | sparse MLA mma.sync |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
     const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false, v32);
     // Roofline (BENCHMARKING.md): 132 L / BW + max(E K / BW, 2176 h K / F) per request, at the measured copy BW, with
@@ -247,9 +256,9 @@ int main(int argc, char** argv) {
                                  static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
     const double roof_us = (scan + attn) * 1e6;
     const double scan_tbs = static_cast<double>(c.B) * L * kestrel::cuda::kIndexKeyBytes / (r.scores_fast * 1e-6) / 1e12;
-    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f |\n", c.B,
-                c.H, c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
-                roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs);
+    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f | %.1f |\n",
+                c.B, c.H, c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
+                roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs, r.mla_mma_sync);
     std::fflush(stdout);
   }
   std::printf("\ntimes in microseconds, medians of 20 after 3 warm-ups; copy bandwidth measured in this run: %.2f TB/s "

@@ -113,6 +113,13 @@ enum class SparseMlaEntry {
 };
 constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64 * 2 tail bytes
 
+// Which kernel sparse_mla_decode runs; both meet the contract below (the choice exists to compare them).
+enum class SparseMlaKernel {
+  automatic,  // wgmma on a compute capability 9.0 GPU, else mma_sync
+  mma_sync,   // warp-level mma.sync tiles, any device
+  wgmma,      // Hopper warpgroup MMAs (sm_90a code): compute capability 9.0 only, else kestrel::Error
+};
+
 struct SparseMlaDecodeArgs {
   const uint16_t* q_abs = nullptr;  // [batch * n_q, heads, 576] bf16 bits: absorbed queries [W_UK^T q_nope ; q_pe]
   int batch = 0;
@@ -128,6 +135,7 @@ struct SparseMlaDecodeArgs {
   float softmax_scale = 0.0f;  // scores are (q . row) * softmax_scale
   float* out = nullptr;        // [batch * n_q, heads, 512] fp32
   float* lse = nullptr;        // [batch * n_q, heads] fp32, natural log; -inf for a row with no valid index
+  SparseMlaKernel kernel = SparseMlaKernel::automatic;
 };
 
 // Device scratch that sparse_mla_decode needs for these shapes on the current device (0 when none).

@@ -1,6 +1,9 @@
 // Shared pieces of the DSA kernels (dsa_*.cu): argument checks, page addressing and the warp-level tensor-core
 // instructions they use.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -128,6 +131,28 @@ __device__ __forceinline__ void cp_async_wait() {
 // whose splits are all empty gives 0 and -inf. Shared by the sparse (dsa_mla.cu) and dense (mla_decode.cu) decodes.
 void launch_split_combine(const float* part_o, const float* part_lse, int splits, int64_t rows, float* out,
                           float* lse, cudaStream_t stream, const char* what);
+
+// ---- FP8 -> bf16 conversions of the sparse MLA kernels (dsa_mla.cu, dsa_mla_wgmma.cu).
+
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __float22bfloat162_rn(f);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Two e4m3 codes times a tile scale: fp32(code * scale) each, as dequantize_fp8, then rounded to bf16 (exact when
+// the product has at most 8 significant bits, as for a power-of-two scale).
+__device__ __forceinline__ uint32_t e4m3x2_scaled_to_bf16x2(uint16_t two, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  return pack_bf16(__fmul_rn(f.x, scale), __fmul_rn(f.y, scale));
+}
 
 // True when any of the four bytes is an e4m3 NaN code (0x7F or 0xFF).
 __device__ __forceinline__ bool has_e4m3_nan(uint32_t w) { return __vcmpeq4(w & 0x7F7F7F7Fu, 0x7F7F7F7Fu) != 0; }

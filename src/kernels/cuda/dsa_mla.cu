@@ -17,6 +17,9 @@
 //
 // When there are few rows the index list is split over several CTAs (flash-decoding); each split writes its
 // normalised partial output and lse, and a second kernel merges them by their lse.
+//
+// On a compute capability 9.0 GPU sparse_mla_decode runs the warpgroup-MMA kernel of dsa_mla_wgmma.cu instead (same
+// splits, same merge); SparseMlaDecodeArgs::kernel chooses explicitly.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -25,6 +28,7 @@
 #include <cmath>
 
 #include "kernels/cuda/dsa_common.cuh"
+#include "kernels/cuda/dsa_mla_wgmma.h"
 
 namespace kestrel::cuda::dsa {
 namespace {
@@ -75,26 +79,6 @@ struct MlaParams {
   float* part_o;    // [rows * heads, splits, 512] when splits > 1
   float* part_lse;  // [rows * heads, splits]
 };
-
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
-  const __nv_bfloat162 b = __float22bfloat162_rn(f);
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-// Two e4m3 codes times a tile scale: fp32(code * scale) each, as dequantize_fp8, then rounded to bf16 (exact when
-// the product has at most 8 significant bits, as for a power-of-two scale).
-__device__ __forceinline__ uint32_t e4m3x2_scaled_to_bf16x2(uint16_t two, float scale) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
-  return pack_bf16(__fmul_rn(f.x, scale), __fmul_rn(f.y, scale));
-}
 
 // The staged FP8 rows of a tile -> bf16 rows of `kv`, each value as MlaAttention::read_latent decodes it (Kimi's
 // without kv_scale, which the caller applies to the fp32 scores and outputs).
@@ -469,7 +453,13 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
     p.part_lse = p.part_o + row_heads * sp.splits * kLatentValueDim;
   }
   const dim3 grid(sp.splits, (a.heads + kHeadsPerCta - 1) / kHeadsPerCta, rows);
-  if (v32) {
+  require(a.kernel == SparseMlaKernel::automatic || a.kernel == SparseMlaKernel::mma_sync ||
+              a.kernel == SparseMlaKernel::wgmma,
+          "sparse_mla_decode: unknown kernel choice");
+  if (a.kernel == SparseMlaKernel::wgmma ||
+      (a.kernel == SparseMlaKernel::automatic && sparse_mla_wgmma_supported())) {
+    launch_sparse_mla_wgmma(a, kv_scale, {sp.splits, sp.tiles_per_split, p.part_o, p.part_lse}, stream);
+  } else if (v32) {
     launch_sparse_mla_kernel<kV32LatentEntryBytes>(grid, p, stream);
   } else {
     launch_sparse_mla_kernel<kLatentDim>(grid, p, stream);

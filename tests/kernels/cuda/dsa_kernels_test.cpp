@@ -1,5 +1,5 @@
 // GPU tests of the DSA decode kernels (src/kernels/cuda/dsa.h) against the CPU reference: the index-key writer
-// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA (over Kimi's and
+// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA (both kernels, over Kimi's and
 // deepseek_v32's latent entries) within their stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
 #include "kernels/cuda/dsa.h"
 
@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/error.h"
@@ -516,7 +517,17 @@ struct MlaCase {
   float q_sigma;
 };
 
-class DsaSparseMla : public ::testing::TestWithParam<MlaCase> {};
+// Every case runs on both kernels of sparse_mla_decode (dsa.h: SparseMlaKernel).
+class DsaSparseMla : public ::testing::TestWithParam<std::tuple<MlaCase, SparseMlaKernel>> {};
+
+// The wgmma kernel is sm_90a code: it runs on compute capability 9.0 only.
+bool runs_wgmma() {
+  int device = 0, major = 0, minor = 0;
+  KESTREL_CUDA_CHECK(cudaGetDevice(&device));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
 
 // deepseek_v32's entry (SparseMlaEntry::v32_fp8) of the latent row x [c (512) ; k_pe (64)], as
 // MlaAttention::write_latent encodes it: per tile of 128, quantize_fp8_ue8m0's codes and scale; the tail in bf16.
@@ -551,7 +562,7 @@ void decode_v32_entry(const uint8_t* e, float* row) {
 // tile scale and bf16 tail values, all bf16 values), so the only differences are the bf16 probabilities in P V
 // (at most 2^-9 max |value|) and fp32 accumulation order: |out - ref| <= 2^-8 max |value| over the attended rows
 // (+1e-6 for values near 0), |lse - ref| <= 1e-4 (1 + |ref|).
-void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry) {
+void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry, SparseMlaKernel kernel) {
   const bool v32 = entry == SparseMlaEntry::v32_fp8;
   const int entry_bytes = v32 ? kV32LatentEntryBytes : kLatentDim;
   const int H = mc.heads, k = mc.k, batch = static_cast<int>(mc.ctx.size()), rows = batch * mc.n_q;
@@ -627,6 +638,7 @@ void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry) {
   a.softmax_scale = softmax_scale;
   a.out = out_d.get();
   a.lse = lse_d.get();
+  a.kernel = kernel;
   const size_t ws_bytes = sparse_mla_decode_workspace_bytes(batch, mc.n_q, H, k);
   DeviceBuffer<uint8_t> ws(ws_bytes);
   sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
@@ -666,28 +678,45 @@ void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry) {
       EXPECT_EQ(bad, 0) << "row " << row << " head " << h << " (tolerance " << tol << ")";
     }
   }
-  std::printf("sparse MLA (%s) H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n",
-              v32 ? "deepseek_v32 entry" : "Kimi entry", H, k, rows, worst, std::ldexp(1.0, -8));
+  std::printf("sparse MLA (%s, %s kernel) H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n",
+              v32 ? "deepseek_v32 entry" : "Kimi entry", kernel == SparseMlaKernel::wgmma ? "wgmma" : "mma.sync", H,
+              k, rows, worst, std::ldexp(1.0, -8));
 }
 
 TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
   REQUIRE_GPU();
-  check_sparse_mla(GetParam(), SparseMlaEntry::kimi_fp8);
+  const auto& [mc, kernel] = GetParam();
+  if (kernel == SparseMlaKernel::wgmma && !runs_wgmma()) GTEST_SKIP() << "the wgmma kernel needs compute capability 9.0";
+  check_sparse_mla(mc, SparseMlaEntry::kimi_fp8, kernel);
 }
 
 TEST_P(DsaSparseMla, V32EntryMatchesCpuWithinBound) {
   REQUIRE_GPU();
-  check_sparse_mla(GetParam(), SparseMlaEntry::v32_fp8);
+  const auto& [mc, kernel] = GetParam();
+  if (kernel == SparseMlaKernel::wgmma && !runs_wgmma()) GTEST_SKIP() << "the wgmma kernel needs compute capability 9.0";
+  check_sparse_mla(mc, SparseMlaEntry::v32_fp8, kernel);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
-                         ::testing::Values(MlaCase{16, 1, 2048, {1500, 3000, 5000}, 1.0f},
-                                           MlaCase{64, 2, 2048, {2100, 40}, 1.0f},
-                                           MlaCase{128, 1, 2048, {2500, 2048}, 1.0f},
-                                           MlaCase{96, 1, 512, {600, 9000}, 5.0f},
-                                           MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f},
-                                           // A prompt chunk as the engine launches it: one request, many query tokens.
-                                           MlaCase{64, 37, 512, {700}, 1.0f}));
+                         ::testing::Combine(
+                             ::testing::Values(MlaCase{16, 1, 2048, {1500, 3000, 5000}, 1.0f},
+                                               MlaCase{64, 2, 2048, {2100, 40}, 1.0f},
+                                               MlaCase{128, 1, 2048, {2500, 2048}, 1.0f},
+                                               MlaCase{96, 1, 512, {600, 9000}, 5.0f},
+                                               MlaCase{128, 1, 64, std::vector<int>(70, 200), 1.0f},
+                                               // A prompt chunk as the engine launches it: one request, many query
+                                               // tokens.
+                                               MlaCase{64, 37, 512, {700}, 1.0f},
+                                               // k not a multiple of the 32-index tile (a last tile of 4), the
+                                               // second CTA of the row with 32 heads, rows of 90 valid indices.
+                                               MlaCase{96, 3, 100, {150, 90}, 1.0f},
+                                               // 70 rows: one split per row, so a CTA walks all 32 tiles (the
+                                               // row-address ring and the staging buffers wrap many times).
+                                               MlaCase{16, 2, 1024, std::vector<int>(35, 1100), 1.0f},
+                                               // One decode row of H = 128 (the benchmark's B = 1): 64 splits of one
+                                               // tile each, two CTAs per split.
+                                               MlaCase{128, 1, 2048, {3000}, 1.0f}),
+                             ::testing::Values(SparseMlaKernel::mma_sync, SparseMlaKernel::wgmma)));
 
 TEST(DsaArguments, BadShapesThrow) {
   const Pages pages{reinterpret_cast<uint8_t*>(16), 132 * 64, 64};
