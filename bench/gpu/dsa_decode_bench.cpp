@@ -100,7 +100,8 @@ std::vector<uint8_t> v32_latent_block(std::mt19937& rng, int pages) {
 }
 
 struct Result {
-  double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
+  double scores_exact, scores_mma, scores_fast, topk, mla, step_exact, step_fast, recall;
+  bool exact_kernels_agree;  // exact and exact_mma wrote the same score bits on set 0
 };
 
 int latent_entry_bytes(bool v32) { return v32 ? kestrel::cuda::kV32LatentEntryBytes : kestrel::cuda::kLatentDim; }
@@ -191,6 +192,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     topk_step(idx_exact.get());
     mla_step(0, idx_exact.get());
     scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
+    scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
     return {};
   }
@@ -214,6 +216,13 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
 
   Result r{};
   r.recall = static_cast<double>(common) / (static_cast<double>(B) * kTopk);
+  // The two exact kernels on the full-size set 0 (the tests compare each with the CPU on smaller shapes).
+  std::vector<float> by_wgmma(static_cast<size_t>(B) * L), by_mma(by_wgmma.size());
+  scores_step(0, kestrel::cuda::IndexScoreMode::exact);
+  scores.download(by_wgmma.data());
+  scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
+  scores.download(by_mma.data());
+  r.exact_kernels_agree = std::memcmp(by_wgmma.data(), by_mma.data(), by_wgmma.size() * sizeof(float)) == 0;
   const int iters = 20, warm = 3;
   // The sparse MLA alone reads only B * 2048 rows per launch (1.2 MB at B = 1): rotating the cache sets would leave
   // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions).
@@ -231,6 +240,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     fresh_idx.back().upload(sel.data());
   }
   r.scores_exact = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::exact); });
+  r.scores_mma = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::exact_mma); });
   r.scores_fast = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
   r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
   r.mla = median_us(iters, warm, [&](int i) { mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get()); });
@@ -287,9 +297,10 @@ int main(int argc, char** argv) {
   };
   const Config configs[] = {{1, 128, 64}, {32, 128, 64}, {1, 96, 64}, {32, 96, 64}, {32, 128, 32}, {64, 128, 64}};
   std::printf(
-      "\n| B | H | H_I | scores exact | scores fp8 | top-k | sparse MLA | step exact | step fp8 | roofline | "
-      "roofline/step exact | roofline/step fp8 | fp8 top-k recall | fp8 scan TB/s |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "\n| B | H | H_I | scores exact | scores exact_mma | exact = exact_mma | scores fp8 | top-k | sparse MLA | "
+      "step exact | step fp8 | roofline | roofline/step exact | roofline/step fp8 | fp8 top-k recall | "
+      "fp8 scan TB/s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
     const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false, v32);
     // Roofline (BENCHMARKING.md): 132 L / BW + max(E K / BW, 2176 h K / F) per request, at the measured copy BW, with
@@ -299,8 +310,10 @@ int main(int argc, char** argv) {
                                  static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
     const double roof_us = (scan + attn) * 1e6;
     const double scan_tbs = static_cast<double>(c.B) * L * kestrel::cuda::kIndexKeyBytes / (r.scores_fast * 1e-6) / 1e12;
-    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f |\n", c.B,
-                c.H, c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
+    std::printf(
+        "| %d | %d | %d | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f |\n",
+        c.B, c.H, c.Hi, r.scores_exact, r.scores_mma, r.exact_kernels_agree ? "yes" : "NO", r.scores_fast, r.topk,
+        r.mla, r.step_exact, r.step_fast, roof_us,
                 roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs);
     std::fflush(stdout);
   }
