@@ -50,8 +50,9 @@ constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCH
 
 
 struct Result {
-  double scores_exact, scores_fast, topk, mla, step_exact, step_fast, recall;
-  double mla_mma_sync;  // the sparse MLA on its mma.sync kernel (SparseMlaKernel::mma_sync), for comparison
+  double scores_exact, scores_mma, scores_fast, topk, mla, step_exact, step_fast, recall;
+  double mla_mma_sync;       // the sparse MLA on its mma.sync kernel (SparseMlaKernel::mma_sync), for comparison
+  bool exact_kernels_agree;  // exact and exact_mma wrote the same score bits on set 0
 };
 
 Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32) {
@@ -143,6 +144,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     mla_step(0, idx_exact.get());
     mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::mma_sync);
     scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
+    scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
     return {};
   }
@@ -166,6 +168,13 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
 
   Result r{};
   r.recall = static_cast<double>(common) / (static_cast<double>(B) * kTopk);
+  // The two exact kernels on the full-size set 0 (the tests compare each with the CPU on smaller shapes).
+  std::vector<float> by_wgmma(static_cast<size_t>(B) * L), by_mma(by_wgmma.size());
+  scores_step(0, kestrel::cuda::IndexScoreMode::exact);
+  scores.download(by_wgmma.data());
+  scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
+  scores.download(by_mma.data());
+  r.exact_kernels_agree = std::memcmp(by_wgmma.data(), by_mma.data(), by_wgmma.size() * sizeof(float)) == 0;
   const int iters = 20, warm = 3;
   // The sparse MLA alone reads only B * 2048 rows per launch (1.2 MB at B = 1): rotating the cache sets would leave
   // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions); the
@@ -184,6 +193,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     fresh_idx.back().upload(sel.data());
   }
   r.scores_exact = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::exact); });
+  r.scores_mma = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::exact_mma); });
   r.scores_fast = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
   r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
   r.mla = median_us(iters, warm, [&](int i) { mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get()); });
@@ -244,9 +254,10 @@ int main(int argc, char** argv) {
   };
   const Config configs[] = {{1, 128, 64}, {32, 128, 64}, {1, 96, 64}, {32, 96, 64}, {32, 128, 32}, {64, 128, 64}};
   std::printf(
-      "\n| B | H | H_I | scores exact | scores fp8 | top-k | sparse MLA | step exact | step fp8 | roofline | "
-      "roofline/step exact | roofline/step fp8 | fp8 top-k recall | fp8 scan TB/s | sparse MLA mma.sync |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "\n| B | H | H_I | scores exact | scores exact_mma | exact = exact_mma | scores fp8 | top-k | sparse MLA | "
+      "step exact | step fp8 | roofline | roofline/step exact | roofline/step fp8 | fp8 top-k recall | "
+      "fp8 scan TB/s | sparse MLA mma.sync |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
     const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false, v32);
     // Roofline (BENCHMARKING.md): 132 L / BW + max(E K / BW, 2176 h K / F) per request, at the measured copy BW, with
@@ -256,9 +267,12 @@ int main(int argc, char** argv) {
                                  static_cast<double>(c.B) * 2176.0 * c.H * kTopk / kBf16Flops);
     const double roof_us = (scan + attn) * 1e6;
     const double scan_tbs = static_cast<double>(c.B) * L * kestrel::cuda::kIndexKeyBytes / (r.scores_fast * 1e-6) / 1e12;
-    std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f | %.1f |\n",
-                c.B, c.H, c.Hi, r.scores_exact, r.scores_fast, r.topk, r.mla, r.step_exact, r.step_fast, roof_us,
-                roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs, r.mla_mma_sync);
+    std::printf(
+        "| %d | %d | %d | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | %.2f | "
+        "%.1f |\n",
+        c.B, c.H, c.Hi, r.scores_exact, r.scores_mma, r.exact_kernels_agree ? "yes" : "NO", r.scores_fast, r.topk,
+        r.mla, r.step_exact, r.step_fast, roof_us, roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs,
+        r.mla_mma_sync);
     std::fflush(stdout);
   }
   std::printf("\ntimes in microseconds, medians of 20 after 3 warm-ups; copy bandwidth measured in this run: %.2f TB/s "

@@ -62,8 +62,12 @@ void index_key_write(const void* keys, KeyDtype dtype, int T, bool hadamard, con
 enum class IndexScoreMode {
   // Bit for bit cpu::indexer_scores: each 128-term dot of e4m3 codes is computed exactly (int8 tensor cores on
   // three 7-bit limbs of the codes' integer values, nine limb products accumulated in int32, combined in int64)
-  // and rounded to fp32 once; ReLU, weight, head sum in order j = 0..H_I-1 in fp32, times k_scale.
+  // and rounded to fp32 once; ReLU, weight, head sum in order j = 0..H_I-1 in fp32, times k_scale. On compute
+  // capability 9.0 (Hopper) the products run on warpgroup MMAs (wgmma), elsewhere as exact_mma.
   exact,
+  // The same function and bits as exact, always through the previous kernel (warp-level mma.sync); kept to compare
+  // the two kernels in tests and benchmarks.
+  exact_mma,
   // One tensor-core pass instead of nine, not exact: the codes, converted exactly to f16, on f16 tensor cores
   // with fp32 accumulation (Hopper's mma.sync has no e4m3 form of its own), and the head sum as a tree. Bound
   // (docs/dsa-kernels.md, tested): |score - exact| <= 2^-6 * k_scale * sum_j |w_j| * sum_d |q_jd k_d|.

@@ -16,8 +16,9 @@
 // and the MMA's k index is mapped onto them: k-step s, register r of the B fragment holds the key's word 2s + r of
 // those 32 bytes; the query's A fragment is built with the same map.
 //
-// Exact kernel: CTA of 8 warps for one request, one group of 64 query rows (64 / H_I query tokens x H_I heads) and
-// a contiguous range of 64-key tiles. Raw key tiles arrive through a 3-stage cp.async ring; per tile the CTA
+// Exact kernel (IndexScoreMode::exact_mma, and exact off Hopper; dsa_index_wgmma.cu has the wgmma one): CTA of 8
+// warps for one request, one group of 64 query rows (64 / H_I query tokens x H_I heads) and a contiguous range of
+// 64-key tiles. Raw key tiles arrive through a 3-stage cp.async ring; per tile the CTA
 // converts the codes to their limbs (through a 256-entry table) in shared memory, warp w multiplies rows
 // 16 (w % m) .. +15 (m = 16-row tiles of the group, A limbs in registers for the whole kernel) by its share of the
 // tile's keys, and writes w_j * ReLU(dot) to a double-buffered term tile; the in-order head sums of a tile (one
@@ -33,6 +34,8 @@
 #include <cmath>
 
 #include "kernels/cuda/dsa_common.cuh"
+#include "kernels/cuda/dsa_exact.cuh"
+#include "kernels/cuda/dsa_index_wgmma.h"
 #include "kernels/cuda/quant_device.cuh"
 
 namespace kestrel::cuda::dsa {
@@ -154,48 +157,6 @@ __device__ __forceinline__ RowGroup row_group(const ScoreParams& p) {
   return rg;
 }
 
-__device__ uint32_t limb_entry(int code) {
-  const int mag = code & 0x7F;
-  if (mag == 0x7F) return 0;  // NaN: its scores are set to NaN through the flags
-  const int e = mag >> 3, m = mag & 7;
-  const int u = e ? (8 + m) << (e - 1) : m;
-  int l0 = u & 127, l1 = (u >> 7) & 127, l2 = u >> 14;
-  if (code & 0x80) {
-    l0 = -l0;
-    l1 = -l1;
-    l2 = -l2;
-  }
-  return static_cast<uint32_t>(static_cast<uint8_t>(l0)) | static_cast<uint32_t>(static_cast<uint8_t>(l1)) << 8 |
-         static_cast<uint32_t>(static_cast<uint8_t>(l2)) << 16;
-}
-
-// Four e4m3 codes -> the same four positions of limb 0, 1 and 2.
-__device__ __forceinline__ void to_limbs(const uint32_t* lut, uint32_t w, uint32_t& l0, uint32_t& l1,
-                                         uint32_t& l2) {
-  const uint32_t x0 = lut[w & 0xFF], x1 = lut[(w >> 8) & 0xFF], x2 = lut[(w >> 16) & 0xFF], x3 = lut[w >> 24];
-  const uint32_t t01 = __byte_perm(x0, x1, 0x5140), t23 = __byte_perm(x2, x3, 0x5140);
-  l0 = __byte_perm(t01, t23, 0x5410);
-  l1 = __byte_perm(t01, t23, 0x7632);
-  l2 = __byte_perm(__byte_perm(x0, x1, 0x0062), __byte_perm(x2, x3, 0x0062), 0x5410);
-}
-
-// x as fp32, exactly, for |x| < 2^22: 1.5 * 2^23 + x has unit spacing there.
-__device__ __forceinline__ float small_int_to_float(int32_t x) {
-  return __fsub_rn(__int_as_float(0x4B400000 + x), 12582912.0f);
-}
-
-// fp32(S) * 2^-18 for the exact dot S = sum_i 2^(7i) acc[i] (see the file comment).
-__device__ __forceinline__ float exact_dot(int32_t a0, int32_t a1, int32_t a2, int32_t a3, int32_t a4) {
-  const int32_t mid = a1 + a2 * 128, hi = a3 + a4 * 128;
-  const int32_t high = hi + (mid >> 14), low = a0 + (mid & 0x3FFF) * 128;
-  return __fadd_rn(__fmul_rn(small_int_to_float(high), 8.0f), __fmul_rn(small_int_to_float(low), 0x1p-18f));
-}
-
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
-}
-
 // Two e4m3 codes (low byte first) as an f16x2 word, low half first; exact (e4m3 is a subset of f16).
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
@@ -271,21 +232,6 @@ __device__ __forceinline__ void issue_exact_tile(ExactSmem& sm, const ScoreParam
     }
     cp_async_4(&sm.raw_scale[st][tid], src, ok ? 4 : 0);
   }
-}
-
-// The in-order head sums of one tile: thread (token tl, key) of the group adds its H terms j = 0..H-1.
-template <int H>
-__device__ __forceinline__ float ordered_head_sum(const float* terms) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < H; j += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(terms + j);
-    acc = __fadd_rn(acc, v.x);
-    acc = __fadd_rn(acc, v.y);
-    acc = __fadd_rn(acc, v.z);
-    acc = __fadd_rn(acc, v.w);
-  }
-  return acc;
 }
 
 __device__ __forceinline__ void exact_head_sums(const ExactSmem& sm, const ScoreParams& p, const RowGroup& rg,
@@ -652,7 +598,10 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
   const int groups = (queries.n_q * queries.heads + kGroupRows - 1) / kGroupRows;
   const int units = queries.batch * groups;
   // One wave of CTAs, each a contiguous key range.
-  if (mode == IndexScoreMode::exact) {
+  if (mode == IndexScoreMode::exact && exact_wgmma_available()) {
+    launch_index_scores_exact_wgmma(queries, index_pages, block_table, ctx_lens, max_ctx_len, scores, score_stride,
+                                    stream);
+  } else if (mode == IndexScoreMode::exact || mode == IndexScoreMode::exact_mma) {
     static DeviceCache resident;
     const int per_sm = resident.get([] {
       return prepare_kernel(index_scores_exact_kernel, kExactThreads, sizeof(ExactSmem), "index_scores_exact_kernel");

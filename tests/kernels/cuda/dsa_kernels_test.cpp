@@ -309,6 +309,7 @@ struct ScoreCase {
 
 class DsaIndexScores : public ::testing::TestWithParam<ScoreCase> {};
 
+// Both exact kernels: IndexScoreMode::exact (wgmma on the H200) and exact_mma (the mma.sync kernel).
 TEST_P(DsaIndexScores, ExactScoresAndTopkMatchCpuBitForBit) {
   REQUIRE_GPU();
   const ScoreCase& sc = GetParam();
@@ -316,39 +317,49 @@ TEST_P(DsaIndexScores, ExactScoresAndTopkMatchCpuBitForBit) {
   const IndexProblem p = make_index_problem(rng, sc.heads, sc.n_q, sc.ctx, true);
   const DeviceIndexCache c(rng, p, sc.page_size);
   const int64_t stride = p.max_ctx() + 7;
-  const std::vector<float> got = gpu_scores(p, c, IndexScoreMode::exact, stride);
-
+  const IndexScoreMode modes[] = {IndexScoreMode::exact, IndexScoreMode::exact_mma};
+  const char* const mode_names[] = {"exact", "exact_mma"};
   const int k = 2048;
-  DeviceBuffer<float> scores_d = to_device(got);
-  DeviceBuffer<int32_t> topk_d = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()) * k, 0x7BADBEEF));
-  const size_t ws_bytes = topk_decode_workspace_bytes(p.batch, p.n_q, p.max_ctx(), k);
-  DeviceBuffer<uint8_t> ws = topk_workspace(ws_bytes);
-  topk_decode(scores_d.get(), stride, p.batch, p.n_q, c.ctx_lens.get(), p.max_ctx(), k, topk_d.get(), ws.get(),
-              ws_bytes, nullptr);
-  sync();
-  const std::vector<int32_t> topk = to_host(topk_d);
+  std::vector<float> got[2];
+  std::vector<int32_t> topk[2];
+  for (int m = 0; m < 2; ++m) {
+    got[m] = gpu_scores(p, c, modes[m], stride);
+    DeviceBuffer<float> scores_d = to_device(got[m]);
+    DeviceBuffer<int32_t> topk_d = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()) * k, 0x7BADBEEF));
+    const size_t ws_bytes = topk_decode_workspace_bytes(p.batch, p.n_q, p.max_ctx(), k);
+    DeviceBuffer<uint8_t> ws = topk_workspace(ws_bytes);
+    topk_decode(scores_d.get(), stride, p.batch, p.n_q, c.ctx_lens.get(), p.max_ctx(), k, topk_d.get(), ws.get(),
+                ws_bytes, nullptr);
+    sync();
+    topk[m] = to_host(topk_d);
+  }
 
   for (int row = 0; row < p.rows(); ++row) {
-    SCOPED_TRACE("row " + std::to_string(row));
     const int ctx = p.ctx[static_cast<size_t>(row / p.n_q)], n = p.query_pos(row) + 1;
     const std::vector<float> want = cpu_scores(p, row);
-    const float* g = got.data() + static_cast<int64_t>(row) * stride;
-    int bad = 0, first = -1;
-    for (int s = 0; s < n; ++s)
-      if (!same_score(g[s], want[s]) && bad++ == 0) first = s;
-    EXPECT_EQ(bad, 0) << "first differing score at " << first << ": gpu " << g[std::max(first, 0)] << " cpu "
-                      << want[std::max(first, 0)];
-    for (int s = n; s < ctx; ++s) EXPECT_EQ(g[s], -kInf) << "future position " << s;
-    for (int64_t s = ctx; s < stride; ++s) EXPECT_EQ(bits(g[s]), kPoisonBits) << "written past the context at " << s;
-
     const std::vector<int32_t> want_topk = cpu_topk_sorted(want.data(), n, k);
-    const int32_t* t = topk.data() + static_cast<int64_t>(row) * k;
-    EXPECT_TRUE(std::equal(want_topk.begin(), want_topk.end(), t)) << "top-k set differs (n = " << n << ")";
+    for (int m = 0; m < 2; ++m) {
+      SCOPED_TRACE(std::string(mode_names[m]) + ", row " + std::to_string(row));
+      const float* g = got[m].data() + static_cast<int64_t>(row) * stride;
+      int bad = 0, first = -1;
+      for (int s = 0; s < n; ++s)
+        if (!same_score(g[s], want[s]) && bad++ == 0) first = s;
+      EXPECT_EQ(bad, 0) << "first differing score at " << first << ": gpu " << g[std::max(first, 0)] << " cpu "
+                        << want[std::max(first, 0)];
+      for (int s = n; s < ctx; ++s) EXPECT_EQ(g[s], -kInf) << "future position " << s;
+      for (int64_t s = ctx; s < stride; ++s)
+        EXPECT_EQ(bits(g[s]), kPoisonBits) << "written past the context at " << s;
+      const int32_t* t = topk[m].data() + static_cast<int64_t>(row) * k;
+      EXPECT_TRUE(std::equal(want_topk.begin(), want_topk.end(), t)) << "top-k set differs (n = " << n << ")";
+    }
   }
   // The NaN codes reached the scores: one key of request 0, every score of request 1's first token.
-  EXPECT_TRUE(std::isnan(got[static_cast<size_t>(p.ctx[0] / 2)]) || p.query_pos(0) < p.ctx[0] / 2);
-  if (p.batch > 1) {
-    EXPECT_TRUE(std::isnan(got[static_cast<size_t>(p.n_q) * stride]));
+  for (int m = 0; m < 2; ++m) {
+    SCOPED_TRACE(mode_names[m]);
+    EXPECT_TRUE(std::isnan(got[m][static_cast<size_t>(p.ctx[0] / 2)]) || p.query_pos(0) < p.ctx[0] / 2);
+    if (p.batch > 1) {
+      EXPECT_TRUE(std::isnan(got[m][static_cast<size_t>(p.n_q) * stride]));
+    }
   }
 }
 
@@ -392,6 +403,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaIndexScores,
                                            ScoreCase{32, 1, 16, {130, 2049, 4100}},
                                            ScoreCase{64, 2, 64, {2, 2047, 5000}},
                                            ScoreCase{32, 3, 32, {3, 700, 2050, 4500}},
+                                           // A prompt chunk: 17 tokens x 32 heads = 8.5 groups of 64 rows (the last
+                                           // one half empty), contexts ending 1 past a 32- and a 64-key tile.
+                                           ScoreCase{32, 17, 16, {17, 1025, 97}},
                                            // One long request: many tiles per CTA and per warp.
                                            ScoreCase{64, 1, 64, {45000, 33}}));
 
