@@ -55,7 +55,7 @@ built_module() {
 # What a build of PEER depends on besides its commit: a finished build with another tag is built again.
 build_tag() {
   case $1 in
-    deepgemm) echo "cxx -g, -static-libstdc++" ;;
+    deepgemm) echo "cxx -g" ;;
     *) echo "base" ;;
   esac
 }
@@ -123,10 +123,6 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 # DeepGEMM's setup.py get_ext_modules(): same source, include dirs (made absolute: ninja compiles from the build
 # folder), libraries and flags.
 # Plus -g (ours, build_tag): the frames of a crash inside deep_gemm._C resolve to lines (native_backtrace.sh).
-# Plus -static-libstdc++ (ours): built against the shared libstdc++, its first JIT build segfaulted on the H200
-# (session 4) compiling a std::regex (IncludeParser::get_includes): std::use_facet<std::__cxx11::collate<char>>
-# returned another facet (the virtual call landed in codecvt_utf16::do_unshift), i.e. the locale the module saw
-# and the facet ids it used came from different libstdc++ state. A private libstdc++ keeps both in the module.
 cxx_flags = ['-std=c++17', '-O3', '-fPIC', '-Wno-psabi', '-Wno-deprecated-declarations',
              f'-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}', '-g']
 include_dirs = [f'{CUDA_HOME}/include', f'{CUDA_HOME}/include/cccl'] + [
@@ -135,7 +131,7 @@ setup(name='deep_gemm',
       ext_modules=[CUDAExtension(name='deep_gemm._C', sources=['csrc/python_api.cpp'], include_dirs=include_dirs,
                                  libraries=['cudart', 'nvrtc'], library_dirs=[f'{CUDA_HOME}/lib64'],
                                  extra_compile_args=cxx_flags,
-                                 extra_link_args=[f'-Wl,-rpath,{CUDA_HOME}/lib64', '-static-libstdc++'])],
+                                 extra_link_args=[f'-Wl,-rpath,{CUDA_HOME}/lib64'])],
       cmdclass={'build_ext': BuildExtension},
       script_args=['build_ext', '--inplace'])
 PY

@@ -3,7 +3,7 @@
 //
 // Usage: dsa_decode_bench [--v32] [context=131072]
 //        dsa_decode_bench --profile [--v32] [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for
-//        ncu (the sparse MLA on both of its kernels: wgmma, then mma.sync)
+//        ncu (the sparse MLA on both of its kernels: mma.sync, the engine's, then wgmma)
 // --v32: the latent in deepseek_v32's 656-byte entry (SparseMlaEntry::v32_fp8: 4 tiles of 128 e4m3 codes with an
 // fp32 scale each, 64 bf16 RoPE values) instead of Kimi's 576 bytes, for a like-for-like comparison with FlashMLA's
 // sparse decode over the same layout.
@@ -51,7 +51,7 @@ constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCH
 
 struct Result {
   double scores_exact, scores_mma, scores_fast, topk, mla, step_exact, step_fast, recall;
-  double mla_mma_sync;       // the sparse MLA on its mma.sync kernel (SparseMlaKernel::mma_sync), for comparison
+  double mla_wgmma;          // the sparse MLA on its opt-in wgmma kernel (SparseMlaKernel::wgmma), for comparison
   bool exact_kernels_agree;  // exact and exact_mma wrote the same score bits on set 0
 };
 
@@ -142,7 +142,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     scores_step(0, kestrel::cuda::IndexScoreMode::exact);
     topk_step(idx_exact.get());
     mla_step(0, idx_exact.get());
-    mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::mma_sync);
+    mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::wgmma);
     scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
     scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
@@ -178,7 +178,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   const int iters = 20, warm = 3;
   // The sparse MLA alone reads only B * 2048 rows per launch (1.2 MB at B = 1): rotating the cache sets would leave
   // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions); the
-  // mma.sync kernel's launches get selections of their own.
+  // wgmma kernel's launches get selections of their own.
   std::vector<DeviceBuffer<int32_t>> fresh_idx;
   for (int it = 0; it < 2 * (iters + warm); ++it) {
     std::vector<int32_t> sel(static_cast<size_t>(B) * kTopk);
@@ -197,9 +197,9 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   r.scores_fast = median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8); });
   r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
   r.mla = median_us(iters, warm, [&](int i) { mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get()); });
-  r.mla_mma_sync = median_us(iters, warm, [&](int i) {
+  r.mla_wgmma = median_us(iters, warm, [&](int i) {
     mla_step(i, fresh_idx[static_cast<size_t>(iters + warm + i % (iters + warm))].get(),
-             kestrel::cuda::SparseMlaKernel::mma_sync);
+             kestrel::cuda::SparseMlaKernel::wgmma);
   });
   r.step_exact = median_us(iters, warm, [&](int i) {
     scores_step(i, kestrel::cuda::IndexScoreMode::exact);
@@ -256,7 +256,7 @@ int main(int argc, char** argv) {
   std::printf(
       "\n| B | H | H_I | scores exact | scores exact_mma | exact = exact_mma | scores fp8 | top-k | sparse MLA | "
       "step exact | step fp8 | roofline | roofline/step exact | roofline/step fp8 | fp8 top-k recall | "
-      "fp8 scan TB/s | sparse MLA mma.sync |\n"
+      "fp8 scan TB/s | sparse MLA wgmma |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
     const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false, v32);
@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
         "%.1f |\n",
         c.B, c.H, c.Hi, r.scores_exact, r.scores_mma, r.exact_kernels_agree ? "yes" : "NO", r.scores_fast, r.topk,
         r.mla, r.step_exact, r.step_fast, roof_us, roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs,
-        r.mla_mma_sync);
+        r.mla_wgmma);
     std::fflush(stdout);
   }
   std::printf("\ntimes in microseconds, medians of 20 after 3 warm-ups; copy bandwidth measured in this run: %.2f TB/s "

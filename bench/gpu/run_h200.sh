@@ -153,8 +153,16 @@ dsa_peers() {
   # take the others with it; a crash is re-run under gdb, when the machine has it, for a native backtrace.
   local sections=${KESTREL_DSA_PEERS_SECTIONS:-torch_dsa_decode,torch_dense_mla_decode,flashmla_decode,deepgemm_paged,flashmla_prefill,deepgemm_prefill}
   : >"$LOGS/bench-peers_dsa.log"
+  # DeepGEMM's module is built by this machine's C++ compiler (/opt/gcc on the H200), whose libstdc++ is newer than
+  # the system one the Python process loads: its JIT's first std::regex then segfaulted in a collate facet looked up
+  # with the compiler's facet id in the system library's locale (session 4, native_backtrace.sh). Its sections run
+  # with the compiler's own libstdc++ preloaded.
+  local cxx_stdlib
+  cxx_stdlib=$(c++ -print-file-name=libstdc++.so.6 2>/dev/null)
   for sec in ${sections//,/ }; do
-    PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 -X faulthandler "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" 2>&1 |
+    local preload=
+    [[ "$sec" == deepgemm_* && "$cxx_stdlib" == /* ]] && preload=$cxx_stdlib
+    LD_PRELOAD="$preload" PYTHONUNBUFFERED=1 timeout "$BENCH_S" python3 -X faulthandler "$ROOT/bench/gpu/peers_dsa.py" --sections "$sec" 2>&1 |
       tee -a "$LOGS/bench-peers_dsa.log"
     local rc=${PIPESTATUS[0]}
     echo "peers_dsa $sec exit $rc (bench-peers_dsa.log)"

@@ -163,9 +163,11 @@ void expect_greedy_near_tie(const Reference& ref, int64_t P, int64_t V, const st
 // the KDA state carries the difference on. So the long tests assert the typical position (median and 90th
 // percentile over all positions of all requests) and print the worst; a wrong kernel moves every position.
 std::vector<float> compare(const Model& m, const std::vector<int32_t>& prompt, const Completion& got, int max_tokens,
-                           const std::string& what) {
+                           const std::string& what, Reference* reference = nullptr) {
   const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
-  const Reference ref = cpu_alone(m, prompt, max_tokens);
+  Reference own;
+  Reference& ref = reference ? *reference : own;
+  ref = cpu_alone(m, prompt, max_tokens);
   EXPECT_EQ(got.token_ids.size(), ref.tokens.size()) << what;
   int64_t same = 0;
   while (same < static_cast<int64_t>(std::min(got.token_ids.size(), ref.tokens.size())) &&
@@ -608,7 +610,29 @@ TEST_P(GpuEngineFarAboveTopK, ContextFarAboveTopKResumeMatchesCpu) {
   EXPECT_GT(e.stats().prefix.hit_tokens, 0);
   const std::string what = std::string(arch_name(c.arch)) + " " + c.preset + ", " + std::to_string(tokens) +
                            " tokens, resumed at " + std::to_string(got.logits_first);
-  expect_typical(compare(m, prompt, got, 4, what), typical_bounds(c), what);
+  Reference ref;
+  const std::vector<float> errors = compare(m, prompt, got, 4, what, &ref);
+  // The two CPU references over the same prompt positions (the plain fp32 model against the bf16-activation one the
+  // GPU is compared with; CPU only). Over thousands of positions of a long context they drift apart by more than
+  // the short tests' typical bounds on the models most sensitive to rounding (a changed top-k pick or MoE expert
+  // moves a row by a large step): where their own distance is larger, the GPU -- which differs from the bf16
+  // reference only by fp32 rounding order, a smaller perturbation than bf16 against fp32 activations -- is held to
+  // that distance instead. A wrong page, index or kernel moves every position far beyond either.
+  const Model& exact = host_model(c, true, false);
+  const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
+  std::vector<float> plain(static_cast<size_t>(P * V));
+  SequenceState seq = exact.new_sequence();
+  exact.forward(seq, prompt.data(), P, plain.data());
+  std::vector<float> spread;
+  for (int64_t p = got.logits_first; p < P; ++p)
+    spread.push_back(row_error(plain.data() + p * V, ref.logits.data() + p * V, V));
+  std::sort(spread.begin(), spread.end());
+  const Typical typical = typical_bounds(c);
+  const Typical bound{std::max(typical.median, spread[spread.size() / 2]),
+                      std::max(typical.p90, spread[spread.size() * 9 / 10])};
+  std::printf("[ %s ] the two CPU references over the prompt positions (%zu): median %.3g, 90th %.3g\n", what.c_str(),
+              spread.size(), spread[spread.size() / 2], spread[spread.size() * 9 / 10]);
+  expect_typical(errors, bound, what);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, GpuEngineFarAboveTopK,

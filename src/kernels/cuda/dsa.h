@@ -63,7 +63,8 @@ enum class IndexScoreMode {
   // Bit for bit cpu::indexer_scores: each 128-term dot of e4m3 codes is computed exactly (int8 tensor cores on
   // three 7-bit limbs of the codes' integer values, nine limb products accumulated in int32, combined in int64)
   // and rounded to fp32 once; ReLU, weight, head sum in order j = 0..H_I-1 in fp32, times k_scale. On compute
-  // capability 9.0 (Hopper) the products run on warpgroup MMAs (wgmma), elsewhere as exact_mma.
+  // capability 9.0 (Hopper) the products run on warpgroup MMAs (wgmma) when a request has at least 64 (query, head)
+  // rows (n_q * heads >= 64), elsewhere as exact_mma.
   exact,
   // The same function and bits as exact, always through the previous kernel (warp-level mma.sync); kept to compare
   // the two kernels in tests and benchmarks.
@@ -117,9 +118,12 @@ enum class SparseMlaEntry {
 };
 constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64 * 2 tail bytes
 
-// Which kernel sparse_mla_decode runs; both meet the contract below (the choice exists to compare them).
+// Which kernel sparse_mla_decode runs; both meet the contract below. The wgmma kernel is 1.46x faster at B = 32 on
+// an H200 but its errors are 2-10x the mma.sync kernel's where a CTA walks several tiles (up to 0.8 of the 2^-8
+// bound in dsa_kernels_test; bench/results/gpu_h200_session4.md), and the small deepseek_v32 model then left its
+// typical model bounds, so the engine keeps mma_sync until that is understood; wgmma is opt-in.
 enum class SparseMlaKernel {
-  automatic,  // wgmma on a compute capability 9.0 GPU, else mma_sync
+  automatic,  // mma_sync (see above)
   mma_sync,   // warp-level mma.sync tiles, any device
   wgmma,      // Hopper warpgroup MMAs (sm_90a code): compute capability 9.0 only, else kestrel::Error
 };

@@ -598,7 +598,9 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
   const int groups = (queries.n_q * queries.heads + kGroupRows - 1) / kGroupRows;
   const int units = queries.batch * groups;
   // One wave of CTAs, each a contiguous key range.
-  if (mode == IndexScoreMode::exact && exact_wgmma_available()) {
+  // The wgmma kernel's row group is 64 (query, head) rows: with fewer (H_I = 32 at n_q = 1) half of every MMA is
+  // empty and the H200 measured it 8% slower than the mma.sync kernel (bench/results/gpu_h200_session4.md).
+  if (mode == IndexScoreMode::exact && exact_wgmma_available() && queries.n_q * queries.heads >= 64) {
     launch_index_scores_exact_wgmma(queries, index_pages, block_table, ctx_lens, max_ctx_len, scores, score_stride,
                                     stream);
   } else if (mode == IndexScoreMode::exact || mode == IndexScoreMode::exact_mma) {

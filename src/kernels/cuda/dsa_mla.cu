@@ -456,8 +456,7 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   require(a.kernel == SparseMlaKernel::automatic || a.kernel == SparseMlaKernel::mma_sync ||
               a.kernel == SparseMlaKernel::wgmma,
           "sparse_mla_decode: unknown kernel choice");
-  if (a.kernel == SparseMlaKernel::wgmma ||
-      (a.kernel == SparseMlaKernel::automatic && sparse_mla_wgmma_supported())) {
+  if (a.kernel == SparseMlaKernel::wgmma) {
     launch_sparse_mla_wgmma(a, kv_scale, {sp.splits, sp.tiles_per_split, p.part_o, p.part_lse}, stream);
   } else if (v32) {
     launch_sparse_mla_kernel<kV32LatentEntryBytes>(grid, p, stream);
