@@ -61,6 +61,34 @@ inline int device_sm_count() {
   });
 }
 
+// Whether the current device is compute capability 9.0 exactly: sm_90a machine code (the wgmma kernels) runs there
+// only.
+inline bool device_is_sm90() {
+  static DeviceCache cache;
+  return cache.get([] {
+           int device = 0, major = 0, minor = 0;
+           check(cudaGetDevice(&device), "cudaGetDevice");
+           check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+           check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+           return major == 9 && minor == 0 ? 1 : 0;
+         }) != 0;
+}
+
+// The arguments of the index-score kernels (dsa_index.cu, dsa_index_wgmma.cu): index_scores_decode's, flattened.
+struct ScoreParams {
+  const uint8_t* q;
+  const float* w;
+  int n_q;
+  int heads;
+  Pages pages;
+  BlockTable bt;
+  const int32_t* ctx_lens;
+  int max_ctx;
+  float* scores;
+  int64_t stride;
+  int tiles_per_split;  // key tiles of one CTA (its kernel's tile: 64 or 32 keys, 32 per warp tile in fast_fp8)
+};
+
 // Address of the row of request `req` at `pos` inside its page (rows of `row_bytes` from the page start).
 __device__ __forceinline__ const uint8_t* page_row(const Pages& pages, const BlockTable& bt, int req, int pos,
                                                    int row_bytes) {

@@ -128,20 +128,6 @@ __global__ void __launch_bounds__(kWriterThreads) index_key_write_kernel(const v
 constexpr int kKeyStride = 144;  // bytes per staged key row: 128 + 16 of padding against bank conflicts
 constexpr int kGroupRows = 64;   // query rows (token, head) per CTA
 
-struct ScoreParams {
-  const uint8_t* q;
-  const float* w;
-  int n_q;
-  int heads;
-  Pages pages;
-  BlockTable bt;
-  const int32_t* ctx_lens;
-  int max_ctx;
-  float* scores;
-  int64_t stride;
-  int tiles_per_split;  // key tiles (64 keys exact, 32 keys per warp tile fast) of one CTA
-};
-
 // The rows of blockIdx.z's group: rows 64 z .. 64 z + rows - 1 of the request's n_q * H_I rows (token-major).
 struct RowGroup {
   int row0, rows, m_tiles, token0, tokens;

@@ -43,20 +43,6 @@ constexpr int kGroupBytes = 2 * kCoreBytes;    // the two k halves of one 8-key 
 constexpr int kTermStride = kRows + 4;         // floats per key in the term tile (16-byte rows, conflict-free)
 static_assert(kStepBytes == (kKeys / 8) * kGroupBytes);
 
-struct Params {
-  const uint8_t* q;
-  const float* w;
-  int n_q;
-  int heads;
-  Pages pages;
-  BlockTable bt;
-  const int32_t* ctx_lens;
-  int max_ctx;
-  float* scores;
-  int64_t stride;
-  int tiles_per_split;
-};
-
 struct Smem {
   alignas(128) uint8_t limbs[2][3][kPlaneBytes];  // B operands of the tile being multiplied and of the next one
   alignas(128) uint8_t raw[kStages][kPlaneBytes];  // codes, in the planes' order
@@ -90,7 +76,7 @@ __device__ __forceinline__ Piece my_piece() {
   return {8 * (tid >> 5) + (tid & 7), (tid >> 3) & 3};
 }
 
-__device__ __forceinline__ void issue_tile(Smem& sm, const Params& p, int req, int ctx, int tile, int st) {
+__device__ __forceinline__ void issue_tile(Smem& sm, const ScoreParams& p, int req, int ctx, int tile, int st) {
   const Piece pc = my_piece();
   const int pos = tile * kKeys + pc.key;
   const bool ok = pos < ctx;
@@ -136,7 +122,7 @@ __device__ __forceinline__ void convert_tile(Smem& sm, int i, int st) {
 }
 
 // The in-order head sums of tile `tile` (relative index i): thread (token tl, key) adds its H terms j = 0..H-1.
-__device__ __forceinline__ void head_sums(const Smem& sm, const Params& p, int req, int ctx, int token0, int tokens,
+__device__ __forceinline__ void head_sums(const Smem& sm, const ScoreParams& p, int req, int ctx, int token0, int tokens,
                                           int tile, int i) {
   const int tid = threadIdx.x;
   if (tid >= kKeys * tokens) return;
@@ -154,7 +140,7 @@ __device__ __forceinline__ void head_sums(const Smem& sm, const Params& p, int r
 
 #endif  // wgmma code
 
-__global__ void __launch_bounds__(kThreads, 3) index_scores_exact_wgmma_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 3) index_scores_exact_wgmma_kernel(ScoreParams p) {
 #ifdef KESTREL_DSA_WGMMA
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -266,16 +252,7 @@ __global__ void __launch_bounds__(kThreads, 3) index_scores_exact_wgmma_kernel(P
 
 }  // namespace
 
-bool exact_wgmma_available() {
-  static DeviceCache cache;
-  return cache.get([] {
-           int device = 0, major = 0, minor = 0;
-           check(cudaGetDevice(&device), "cudaGetDevice");
-           check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-           check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-           return major == 9 && minor == 0 ? 1 : 0;
-         }) != 0;
-}
+bool exact_wgmma_available() { return device_is_sm90(); }
 
 void launch_index_scores_exact_wgmma(const IndexQueries& queries, const Pages& pages, const BlockTable& block_table,
                                      const int32_t* ctx_lens, int max_ctx_len, float* scores, int64_t score_stride,
@@ -294,7 +271,7 @@ void launch_index_scores_exact_wgmma(const IndexQueries& queries, const Pages& p
     require(n > 0, std::string(name) + " does not fit on a multiprocessor");
     return n;
   });
-  Params p{queries.codes, queries.weights, queries.n_q, queries.heads, pages, block_table, ctx_lens, max_ctx_len,
+  ScoreParams p{queries.codes, queries.weights, queries.n_q, queries.heads, pages, block_table, ctx_lens, max_ctx_len,
            scores,        score_stride,    0};
   const int groups = (queries.n_q * queries.heads + kRows - 1) / kRows;
   const int units = queries.batch * groups;

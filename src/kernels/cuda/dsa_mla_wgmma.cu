@@ -494,16 +494,7 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream) {
 
 }  // namespace
 
-bool sparse_mla_wgmma_supported() {
-  static DeviceCache supported;
-  return supported.get([] {
-    int device = 0, major = 0, minor = 0;
-    check(cudaGetDevice(&device), "cudaGetDevice");
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-    return major == 9 && minor == 0 ? 1 : 0;
-  }) != 0;
-}
+bool sparse_mla_wgmma_supported() { return device_is_sm90(); }
 
 void launch_sparse_mla_wgmma(const SparseMlaDecodeArgs& a, float kv_scale, const SparseMlaSplit& split,
                              cudaStream_t stream) {
