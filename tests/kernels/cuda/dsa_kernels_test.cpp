@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -635,46 +636,69 @@ void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry, SparseMlaKernel k
   const DeviceBuffer<int32_t> ctx_d = to_device(std::vector<int32_t>(mc.ctx.begin(), mc.ctx.end()));
   const DeviceBuffer<uint16_t> q_d = to_device(q);
   const DeviceBuffer<int32_t> idx_d = to_device(idx);
-  DeviceBuffer<float> out_d = to_device(std::vector<float>(static_cast<size_t>(rows) * H * kLatentValueDim, poison_float()));
-  DeviceBuffer<float> lse_d = to_device(std::vector<float>(static_cast<size_t>(rows) * H, poison_float()));
-  SparseMlaDecodeArgs a;
-  a.q_abs = q_d.get();
-  a.batch = batch;
-  a.n_q = mc.n_q;
-  a.heads = H;
-  a.indices = idx_d.get();
-  a.k = k;
-  a.ctx_lens = ctx_d.get();
-  a.latent_pages = {pool_d.get(), pool.page_stride, pool.page_size};
-  a.entry = entry;
-  a.block_table = {bt_d.get(), pool.bt_stride};
-  a.kv_scale = kv_scale;
-  a.softmax_scale = softmax_scale;
-  a.out = out_d.get();
-  a.lse = lse_d.get();
-  a.kernel = kernel;
-  const size_t ws_bytes = sparse_mla_decode_workspace_bytes(batch, mc.n_q, H, k);
-  DeviceBuffer<uint8_t> ws(ws_bytes);
-  sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
-  sync();
-  const std::vector<float> out = to_host(out_d), lse = to_host(lse_d);
+  // One decode with the given kernel into poisoned outputs: (out, lse).
+  auto decode = [&](SparseMlaKernel which) {
+    DeviceBuffer<float> out_d =
+        to_device(std::vector<float>(static_cast<size_t>(rows) * H * kLatentValueDim, poison_float()));
+    DeviceBuffer<float> lse_d = to_device(std::vector<float>(static_cast<size_t>(rows) * H, poison_float()));
+    SparseMlaDecodeArgs a;
+    a.q_abs = q_d.get();
+    a.batch = batch;
+    a.n_q = mc.n_q;
+    a.heads = H;
+    a.indices = idx_d.get();
+    a.k = k;
+    a.ctx_lens = ctx_d.get();
+    a.latent_pages = {pool_d.get(), pool.page_stride, pool.page_size};
+    a.entry = entry;
+    a.block_table = {bt_d.get(), pool.bt_stride};
+    a.kv_scale = kv_scale;
+    a.softmax_scale = softmax_scale;
+    a.out = out_d.get();
+    a.lse = lse_d.get();
+    a.kernel = which;
+    const size_t ws_bytes = sparse_mla_decode_workspace_bytes(batch, mc.n_q, H, k);
+    DeviceBuffer<uint8_t> ws(ws_bytes);
+    sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
+    sync();
+    return std::pair{to_host(out_d), to_host(lse_d)};
+  };
+  const auto [out, lse] = decode(kernel);
 
-  double worst = 0.0;
+  // The CPU reference of every row and its largest attended |value|.
+  std::vector<std::vector<float>> refs(static_cast<size_t>(rows)), ref_lses(static_cast<size_t>(rows));
+  std::vector<float> vmaxs(static_cast<size_t>(rows), 0.0f);
   for (int row = 0; row < rows; ++row) {
     const int r = row / mc.n_q;
-    std::vector<float> qf(static_cast<size_t>(H) * kLatentDim), ref(static_cast<size_t>(H) * kLatentValueDim), ref_lse(H);
+    std::vector<float> qf(static_cast<size_t>(H) * kLatentDim);
+    refs[row].resize(static_cast<size_t>(H) * kLatentValueDim);
+    ref_lses[row].resize(H);
     for (size_t i = 0; i < qf.size(); ++i) qf[i] = bf16_to_f32(q[static_cast<size_t>(row) * H * kLatentDim + i]);
     const int32_t* ir = idx.data() + static_cast<int64_t>(row) * k;
     cpu::mla_attend_absorbed(qf.data(), H, kLatentValueDim, kLatentDim - kLatentValueDim, rows_f[r].data(), mc.ctx[r],
-                             ir, k, softmax_scale, ref.data(), ref_lse.data());
-    float vmax = 0.0f;
+                             ir, k, softmax_scale, refs[row].data(), ref_lses[row].data());
     for (int j = 0; j < k; ++j)
       if (ir[j] >= 0 && ir[j] < mc.ctx[r])
         for (int c = 0; c < kLatentValueDim; ++c)
-          vmax = std::max(vmax, std::fabs(rows_f[r][static_cast<size_t>(ir[j]) * kLatentDim + c]));
-    const float tol = std::ldexp(vmax, -8) + 1e-6f;
+          vmaxs[row] = std::max(vmaxs[row], std::fabs(rows_f[r][static_cast<size_t>(ir[j]) * kLatentDim + c]));
+  }
+  // Largest |out - ref| / max|v| over the rows with an attended value.
+  auto largest_error = [&](const std::vector<float>& got) {
+    double worst = 0.0;
+    for (int row = 0; row < rows; ++row) {
+      if (vmaxs[row] <= 0.0f) continue;
+      for (int i = 0; i < H * kLatentValueDim; ++i) {
+        const float err = std::fabs(got[static_cast<size_t>(row) * H * kLatentValueDim + i] - refs[row][i]);
+        worst = std::max(worst, double{err} / vmaxs[row]);
+      }
+    }
+    return worst;
+  };
+
+  for (int row = 0; row < rows; ++row) {
+    const float tol = std::ldexp(vmaxs[row], -8) + 1e-6f;
     for (int h = 0; h < H; ++h) {
-      const float gl = lse[static_cast<size_t>(row) * H + h], rl = ref_lse[h];
+      const float gl = lse[static_cast<size_t>(row) * H + h], rl = ref_lses[row][h];
       if (std::isinf(rl)) {
         EXPECT_EQ(gl, -kInf) << "row " << row << " head " << h;
       } else {
@@ -683,18 +707,27 @@ void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry, SparseMlaKernel k
       int bad = 0;
       for (int c = 0; c < kLatentValueDim; ++c) {
         const float gv = out[(static_cast<size_t>(row) * H + h) * kLatentValueDim + c];
-        const float rv = ref[static_cast<size_t>(h) * kLatentValueDim + c];
-        const float err = std::fabs(gv - rv);
-        if (!(err <= tol)) ++bad;
-        if (vmax > 0) worst = std::max(worst, double{err} / vmax);
+        const float rv = refs[row][static_cast<size_t>(h) * kLatentValueDim + c];
+        if (!(std::fabs(gv - rv) <= tol)) ++bad;
         if (std::isinf(rl) && bits(gv) != 0) ++bad;  // no valid index: exactly +0
       }
       EXPECT_EQ(bad, 0) << "row " << row << " head " << h << " (tolerance " << tol << ")";
     }
   }
+  const double worst = largest_error(out);
   std::printf("sparse MLA (%s, %s kernel) H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n",
               v32 ? "deepseek_v32 entry" : "Kimi entry", kernel == SparseMlaKernel::wgmma ? "wgmma" : "mma.sync", H,
               k, rows, worst, std::ldexp(1.0, -8));
+  if (kernel == SparseMlaKernel::wgmma) {
+    // Same contract, same splits and the same P for the same scores: the wgmma kernel's largest error stays near the
+    // mma.sync kernel's on the same inputs (the score sums differ only in fp32 order). The 2^-8 bound alone missed a
+    // lazy running maximum that left the dominant probability of a split rounded to bf16 instead of exactly 1: on
+    // the H200 it gave 2-10x the mma.sync kernel's largest error (e.g. Kimi entry, H = 16, k = 2048, 3 rows:
+    // 0.00116 against 0.000148; H = 128, k = 64, 70 rows: 0.00291 against 0.00102; identical where every CTA sees
+    // one tile) and moved the small deepseek_v32 model out of its typical bounds.
+    const double worst_mma = largest_error(decode(SparseMlaKernel::mma_sync).first);
+    EXPECT_LE(worst, 2.0 * worst_mma + 1e-4) << "the mma.sync kernel's largest |error| / max|v| is " << worst_mma;
+  }
 }
 
 TEST_P(DsaSparseMla, MatchesCpuWithinBound) {
