@@ -69,10 +69,15 @@ enum class IndexScoreMode {
   // The same function and bits as exact, always through the previous kernel (warp-level mma.sync); kept to compare
   // the two kernels in tests and benchmarks.
   exact_mma,
-  // One tensor-core pass instead of nine, not exact: the codes, converted exactly to f16, on f16 tensor cores
-  // with fp32 accumulation (Hopper's mma.sync has no e4m3 form of its own), and the head sum as a tree. Bound
-  // (docs/dsa-kernels.md, tested): |score - exact| <= 2^-6 * k_scale * sum_j |w_j| * sum_d |q_jd k_d|.
+  // One tensor-core pass instead of nine, not exact, and the head sum as a tree. On compute capability 9.0 with
+  // n_q * heads >= 64: native e4m3 warpgroup MMAs (wgmma) on the codes as stored (dsa_index_fp8_wgmma.cu); elsewhere
+  // as fast_fp8_mma. Bound (docs/dsa-kernels.md, tested): |score - exact| <= 2^-6 * k_scale * sum_j |w_j| *
+  // sum_d |q_jd k_d|.
   fast_fp8,
+  // The same function and bound as fast_fp8, always through the previous kernel: the codes, converted exactly to
+  // f16, on f16 mma.sync with fp32 accumulation (Hopper's mma.sync has no e4m3 form of its own); kept to compare
+  // the two kernels in tests and benchmarks.
+  fast_fp8_mma,
 };
 
 struct IndexQueries {

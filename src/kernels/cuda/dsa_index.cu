@@ -24,7 +24,8 @@
 // tile's keys, and writes w_j * ReLU(dot) to a double-buffered term tile; the in-order head sums of a tile (one
 // thread per key and query token) run during the next tile's conversion.
 //
-// Fast FP8 kernel: e4m3 MMAs on the codes. Every warp owns all rows of the group (A codes in registers) and its
+// Fast FP8 kernel (IndexScoreMode::fast_fp8_mma, and fast_fp8 off Hopper; dsa_index_fp8_wgmma.cu has the wgmma
+// one): e4m3 MMAs on the codes. Every warp owns all rows of the group (A codes in registers) and its
 // own stream of 32-key tiles with a private 4-stage cp.async ring, so warps never wait for each other. The head
 // sum is a tree (in registers, then a butterfly over the eight lanes that share a key column), which leaves each
 // lane with one key's score; its order differs from the CPU's, within the mode's stated bound.
@@ -35,6 +36,7 @@
 
 #include "kernels/cuda/dsa_common.cuh"
 #include "kernels/cuda/dsa_exact.cuh"
+#include "kernels/cuda/dsa_index_fp8_wgmma.h"
 #include "kernels/cuda/dsa_index_wgmma.h"
 #include "kernels/cuda/quant_device.cuh"
 
@@ -599,6 +601,9 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
     p.tiles_per_split = (tiles + splits - 1) / splits;
     const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
     index_scores_exact_kernel<<<grid, kExactThreads, sizeof(ExactSmem), stream>>>(p);
+  } else if (mode == IndexScoreMode::fast_fp8 && exact_wgmma_available() && queries.n_q * queries.heads >= 64) {
+    launch_index_scores_fp8_wgmma(queries, index_pages, block_table, ctx_lens, max_ctx_len, scores, score_stride,
+                                  stream);
   } else {
     static DeviceCache resident;
     const int per_sm = resident.get([] {

@@ -364,39 +364,90 @@ TEST_P(DsaIndexScores, ExactScoresAndTopkMatchCpuBitForBit) {
   }
 }
 
+// Both fast kernels: IndexScoreMode::fast_fp8 (e4m3 wgmma on the H200 where n_q * H_I >= 64) and fast_fp8_mma
+// (the f16 mma.sync kernel), each within the bound of dsa.h; NaN codes give NaN where the CPU has NaN, positions
+// past a row's own one -inf, nothing written past the context. Checks the given query rows of both kernels' scores.
+constexpr IndexScoreMode kFastModes[] = {IndexScoreMode::fast_fp8, IndexScoreMode::fast_fp8_mma};
+constexpr const char* kFastModeNames[] = {"fast_fp8", "fast_fp8_mma"};
+
+void expect_fast_scores_within_bound(const IndexProblem& p, const std::vector<float> (&got)[2], int64_t stride,
+                                     const std::vector<int>& rows) {
+  double worst[2] = {0.0, 0.0};
+  for (const int row : rows) {
+    const int r = row / p.n_q, ctx = p.ctx[static_cast<size_t>(r)], n = p.query_pos(row) + 1;
+    const std::vector<float> want = cpu_scores(p, row);
+    const uint8_t* q = p.q_codes.data() + static_cast<size_t>(row) * p.heads * kD;
+    const float* w = p.weights.data() + static_cast<size_t>(row) * p.heads;
+    int bad[2] = {0, 0};
+    for (int s = 0; s < n; ++s) {
+      double bound = 0.0;
+      if (!std::isnan(want[s])) {
+        const uint8_t* kc = p.key_codes[r].data() + static_cast<size_t>(s) * kD;
+        double mass = 0.0;
+        for (int j = 0; j < p.heads; ++j) {
+          double abs_dot = 0.0;
+          for (int d = 0; d < kD; ++d)
+            abs_dot += std::fabs(double{e4m3_to_f32(q[j * kD + d])} * e4m3_to_f32(kc[d]));
+          mass += std::fabs(double{w[j]}) * abs_dot;
+        }
+        bound = std::ldexp(p.key_scales[r][s] * mass, -6);
+      }
+      for (int m = 0; m < 2; ++m) {
+        const float g = got[m][static_cast<size_t>(static_cast<int64_t>(row) * stride + s)];
+        if (std::isnan(want[s])) {
+          if (!std::isnan(g)) ++bad[m];
+          continue;
+        }
+        const double err = std::fabs(double{g} - want[s]);
+        if (bound > 0) worst[m] = std::max(worst[m], err / bound);
+        if (!(err <= bound)) ++bad[m];
+      }
+    }
+    for (int m = 0; m < 2; ++m) {
+      SCOPED_TRACE(std::string(kFastModeNames[m]) + ", row " + std::to_string(row));
+      const float* g = got[m].data() + static_cast<int64_t>(row) * stride;
+      EXPECT_EQ(bad[m], 0) << "scores outside the bound or not NaN where the CPU has NaN";
+      for (int s = n; s < ctx; ++s) EXPECT_EQ(g[s], -kInf) << "future position " << s;
+      for (int64_t s = ctx; s < stride; ++s) EXPECT_EQ(bits(g[s]), kPoisonBits) << "written past the context at " << s;
+    }
+  }
+  for (int m = 0; m < 2; ++m) {
+    ::testing::Test::RecordProperty(std::string("worst_error_over_bound_") + kFastModeNames[m],
+                                    std::to_string(worst[m]));
+    std::printf("%s scores: largest |error| / bound = %.3g\n", kFastModeNames[m], worst[m]);
+  }
+}
+
 TEST_P(DsaIndexScores, FastFp8ScoresWithinBound) {
   REQUIRE_GPU();
   const ScoreCase& sc = GetParam();
   std::mt19937 rng(4242 + sc.heads + sc.n_q);
-  const IndexProblem p = make_index_problem(rng, sc.heads, sc.n_q, sc.ctx, false);
+  const IndexProblem p = make_index_problem(rng, sc.heads, sc.n_q, sc.ctx, true);
   const DeviceIndexCache c(rng, p, sc.page_size);
-  const int64_t stride = p.max_ctx();
-  const std::vector<float> got = gpu_scores(p, c, IndexScoreMode::fast_fp8, stride);
-  double worst = 0.0;
-  for (int row = 0; row < p.rows(); ++row) {
-    const int r = row / p.n_q, n = p.query_pos(row) + 1;
-    const std::vector<float> want = cpu_scores(p, row);
-    const uint8_t* q = p.q_codes.data() + static_cast<size_t>(row) * p.heads * kD;
-    const float* w = p.weights.data() + static_cast<size_t>(row) * p.heads;
-    int bad = 0;
-    for (int s = 0; s < n; ++s) {
-      const uint8_t* kc = p.key_codes[r].data() + static_cast<size_t>(s) * kD;
-      double mass = 0.0;
-      for (int j = 0; j < p.heads; ++j) {
-        double abs_dot = 0.0;
-        for (int d = 0; d < kD; ++d)
-          abs_dot += std::fabs(double{e4m3_to_f32(q[j * kD + d])} * e4m3_to_f32(kc[d]));
-        mass += std::fabs(double{w[j]}) * abs_dot;
-      }
-      const double bound = std::ldexp(p.key_scales[r][s] * mass, -6);
-      const double err = std::fabs(double{got[static_cast<int64_t>(row) * stride + s]} - want[s]);
-      if (bound > 0) worst = std::max(worst, err / bound);
-      if (!(err <= bound)) ++bad;
-    }
-    EXPECT_EQ(bad, 0) << "row " << row;
-  }
-  RecordProperty("worst_error_over_bound", std::to_string(worst));
-  std::printf("fast_fp8 scores: largest |error| / bound = %.3g\n", worst);
+  const int64_t stride = p.max_ctx() + 7;
+  std::vector<float> got[2];
+  for (int m = 0; m < 2; ++m) got[m] = gpu_scores(p, c, kFastModes[m], stride);
+  std::vector<int> rows(static_cast<size_t>(p.rows()));
+  std::iota(rows.begin(), rows.end(), 0);
+  expect_fast_scores_within_bound(p, got, stride, rows);
+}
+
+// Enough (request, row group) units (13 requests x 64 groups of one token: more than an H200 holds at once) that
+// the kernels take one CTA per unit and every CTA walks its request's whole context, many times around its copy ring.
+// The CPU checks the last token of each request (the longest rows) and request 1's first (NaN codes).
+TEST(DsaIndexScoresLong, FastFp8ScoresWithinBoundOverLongWalks) {
+  REQUIRE_GPU();
+  std::mt19937 rng(5151);
+  std::vector<int> ctx(13);
+  for (size_t r = 0; r < ctx.size(); ++r) ctx[r] = 1100 + 37 * static_cast<int>(r);
+  const IndexProblem p = make_index_problem(rng, 64, 64, ctx, true);
+  const DeviceIndexCache c(rng, p, 64);
+  const int64_t stride = p.max_ctx() + 5;
+  std::vector<float> got[2];
+  for (int m = 0; m < 2; ++m) got[m] = gpu_scores(p, c, kFastModes[m], stride);
+  std::vector<int> rows = {p.n_q};
+  for (int r = 0; r < p.batch; ++r) rows.push_back(r * p.n_q + p.n_q - 1);
+  expect_fast_scores_within_bound(p, got, stride, rows);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DsaIndexScores,
