@@ -260,8 +260,9 @@ TEST_P(DsaBoundedTopk, EqualsCpuAndExactPath) {
       const int32_t count = run.counts[static_cast<size_t>(row)];
       EXPECT_GE(count, 0);
       EXPECT_LE(count, n);
-      // Short rows (n <= k) take every selectable key; long Gaussian rows must leave few more than k: the bound of
-      // kFastScoreBoundFactor is about 3e-4 of the score spread there (see the header), far below 1.5k.
+      // Short rows (n <= k) take every selectable key; long Gaussian rows must leave few more than k: the bound is
+      // about 1.5% of the scores' standard deviation there, and the CPU study (docs/dsa-kernels.md) rescored about
+      // 1.1 k keys with a bound 1.3 times as large.
       if (!c.hard && n >= 8 * k) {
         EXPECT_LE(count, k + k / 2) << "row " << row << " (n = " << n << ")";
       }
