@@ -505,7 +505,9 @@ void topk_decode_bounded(const BoundedTopkArgs& a, void* workspace, size_t works
   key_norm_kernel<<<dim3((S + kNormWarps - 1) / kNormWarps, q.batch), kNormWarps * 32, 0, stream>>>(
       a.index_pages, a.block_table, shape, key_info);
   check(cudaGetLastError(), "topk_decode_bounded: key_norm_kernel launch");
-  index_scores_decode(q, a.index_pages, a.block_table, a.ctx_lens, S, IndexScoreMode::fast_fp8, fast, S, stream);
+  // The bound's model is the f16 mma.sync kernel's (fp32 accumulation): fast_fp8_mma, not the e4m3 wgmma kernel,
+  // whose FP8 accumulation keeps only about 14 bits and would need a bound of its own.
+  index_scores_decode(q, a.index_pages, a.block_table, a.ctx_lens, S, IndexScoreMode::fast_fp8_mma, fast, S, stream);
 
   const BoundParams bp{shape, fast, key_info, row_w, a.bound_factor};
   lower_end_kernel<<<dim3((S + 255) / 256, rows), 256, 0, stream>>>(bp, scratch);
