@@ -290,7 +290,7 @@ TEST(DsaBoundedTopkBound, FastScoresWithinModelBound) {
     const DeviceProblem dp(rng, p, 64);
     const int S = p.max_ctx();
     DeviceBuffer<float> fast_d(static_cast<size_t>(p.rows()) * S);
-    index_scores_decode(dp.queries(p), dp.pages(), dp.table(), dp.ctx_lens.get(), S, IndexScoreMode::fast_fp8,
+    index_scores_decode(dp.queries(p), dp.pages(), dp.table(), dp.ctx_lens.get(), S, IndexScoreMode::fast_fp8_mma,
                         fast_d.get(), S, nullptr);
     sync();
     const std::vector<float> fast = to_host(fast_d);
