@@ -127,7 +127,7 @@ constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64
 // an H200 but its errors are 2-10x the mma.sync kernel's where a CTA walks several tiles (up to 0.8 of the 2^-8
 // bound in dsa_kernels_test; bench/results/gpu_h200_session4.md), and the small deepseek_v32 model then left its
 // typical model bounds, so the engine keeps mma_sync; wgmma is opt-in. (The cause, the running maximum's slack,
-// is removed on branch h-mlafix, not yet run on a GPU.)
+// is removed here; not yet run on a GPU.)
 enum class SparseMlaKernel {
   automatic,  // mma_sync (see above)
   mma_sync,   // warp-level mma.sync tiles, any device
