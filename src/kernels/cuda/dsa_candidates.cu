@@ -3,7 +3,7 @@
 //
 // Workspace (each region 256-byte aligned, S = max_ctx_len, R = batch * n_q rows, C = max_candidates):
 //   topk      the top-k scratch shared by both topk_decode calls (zero-filled between calls by topk_decode itself)
-//   fast      [R, S] fp32  fast_fp8 scores
+//   fast      [R, S] fp32  fast_fp8_mma scores
 //   scratch   [R, S] fp32  first the lower ends lo, then (once tau is known) the exact scores by candidate number
 //   key_info  [batch, S]   (k_scale, ||k||_2 rounded up) per key
 //   row_w     [R]          W = sum_j |w_j| ||q_j||_2 rounded up

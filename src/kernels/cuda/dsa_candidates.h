@@ -6,7 +6,7 @@
 //
 // Per query row (conventions of dsa.h: Pages, BlockTable, ctx_lens, row q = r * n_q + i, candidates 0 .. n-1 with
 // n = ctx_lens[r] - n_q + i + 1, cut to max_ctx_len):
-//   1. fast f_i: index_scores_decode's fast_fp8 scores;
+//   1. fast f_i: index_scores_decode's fast_fp8_mma scores (the f16 mma.sync kernel);
 //   2. bound e_i = bound_factor * k_scale_i * ||k_i||_2 * W_q + k_scale_i * 2^-120, W_q = sum_j |w_qj| ||q_qj||_2
 //      (norms of the e4m3 values, every operation rounded up; +inf when k_scale ||k|| W_q or ||k|| W_q reaches
 //      2^100 or is not a number: then nothing is assumed about the key);
@@ -28,7 +28,7 @@
 
 namespace kestrel::cuda {
 
-// The default bound_factor c. Arithmetic model of the fast_fp8 kernel (dsa_index.cu), an ASSUMPTION that the H200
+// The default bound_factor c. Arithmetic model of the fast_fp8_mma kernel (dsa_index.cu), an ASSUMPTION that the H200
 // test (dsa_candidates_test, FastScoresWithinModelBound) checks over every key it scores:
 //   - the e4m3 codes become f16 exactly and the tensor core forms every f16 x f16 product exactly;
 //   - each of the 8 m16n8k16 MMAs of a 128-term dot adds its 16 products to the fp32 accumulator with an error of

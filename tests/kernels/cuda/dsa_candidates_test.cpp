@@ -1,4 +1,4 @@
-// GPU tests of topk_decode_bounded (src/kernels/cuda/dsa_candidates.h): the exact DSA top-k from fast_fp8 scores, a
+// GPU tests of topk_decode_bounded (src/kernels/cuda/dsa_candidates.h): the exact DSA top-k from fast_fp8_mma scores, a
 // per-key model bound and exact rescoring of the candidates only. The result must be cpu::topk_indices over
 // cpu::indexer_scores as a set per row, and position for position the existing exact path's output
 // (index_scores_decode exact + topk_decode); no rescored key may fall outside its bound; the candidate lists must be
@@ -280,7 +280,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaBoundedTopk,
                                            Case{32, 3, 16, {3, 100, 2049, 9000}, true}),
                          [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
 
-// The assumption behind the bound, on every key: |fast_fp8 - exact| <= c k_scale ||k|| W + k_scale 2^-120 (computed
+// The assumption behind the bound, on every key: |fast_fp8_mma - exact| <= c k_scale ||k|| W + k_scale 2^-120 (computed
 // here in double from the codes, which is below the kernel's rounded-up value), for the Gaussian and the hard keys.
 TEST(DsaBoundedTopkBound, FastScoresWithinModelBound) {
   REQUIRE_GPU();
