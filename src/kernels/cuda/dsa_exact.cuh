@@ -34,6 +34,14 @@ __device__ __forceinline__ void to_limbs(const uint32_t* lut, uint32_t w, uint32
   l2 = __byte_perm(__byte_perm(x0, x1, 0x0062), __byte_perm(x2, x3, 0x0062), 0x5410);
 }
 
+// The three limb planes of one 16-byte piece of codes (l[b]: limb b of the same 16 codes, in their order).
+__device__ __forceinline__ void to_limbs(const uint32_t* lut, const uint4& v, uint4 (&l)[3]) {
+  to_limbs(lut, v.x, l[0].x, l[1].x, l[2].x);
+  to_limbs(lut, v.y, l[0].y, l[1].y, l[2].y);
+  to_limbs(lut, v.z, l[0].z, l[1].z, l[2].z);
+  to_limbs(lut, v.w, l[0].w, l[1].w, l[2].w);
+}
+
 // x as fp32, exactly, for |x| < 2^22: 1.5 * 2^23 + x has unit spacing there.
 __device__ __forceinline__ float small_int_to_float(int32_t x) {
   return __fsub_rn(__int_as_float(0x4B400000 + x), 12582912.0f);

@@ -289,10 +289,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) index_scores_exact_kernel(Sc
       const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, key_nan);
       if (part == 0) sm.knan[buf][key] = (nan_lanes >> (lane & 24)) & 0xFFu;
       uint4 l[3];
-      to_limbs(sm.lut, v.x, l[0].x, l[1].x, l[2].x);
-      to_limbs(sm.lut, v.y, l[0].y, l[1].y, l[2].y);
-      to_limbs(sm.lut, v.z, l[0].z, l[1].z, l[2].z);
-      to_limbs(sm.lut, v.w, l[0].w, l[1].w, l[2].w);
+      to_limbs(sm.lut, v, l);
 #pragma unroll
       for (int b = 0; b < 3; ++b) *reinterpret_cast<uint4*>(&sm.limbs[b][key * kKeyStride + part * 16]) = l[b];
     }

@@ -104,10 +104,7 @@ __device__ __forceinline__ void convert_tile(Smem& sm, int i, int st) {
     const uint4 v = *reinterpret_cast<const uint4*>(&sm.raw[st][off]);
     nan = nan || has_e4m3_nan(v.x) || has_e4m3_nan(v.y) || has_e4m3_nan(v.z) || has_e4m3_nan(v.w);
     uint4 l[3];
-    to_limbs(sm.lut, v.x, l[0].x, l[1].x, l[2].x);
-    to_limbs(sm.lut, v.y, l[0].y, l[1].y, l[2].y);
-    to_limbs(sm.lut, v.z, l[0].z, l[1].z, l[2].z);
-    to_limbs(sm.lut, v.w, l[0].w, l[1].w, l[2].w);
+    to_limbs(sm.lut, v, l);
 #pragma unroll
     for (int b = 0; b < 3; ++b) *reinterpret_cast<uint4*>(&sm.limbs[i & 1][b][off]) = l[b];
   }

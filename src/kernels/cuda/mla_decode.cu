@@ -343,41 +343,8 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int req, 
         mx[r] = fmaxf(mx[r], s);
       }
     }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 2));
-      alpha[r] = 1.0f;
-      // Raise the maximum only when this tile's exceeds it by more than the slack (always from -inf to finite).
-      if (mx[r] > m_run[r] + kRescaleSlack) {
-        alpha[r] = exp2f(m_run[r] - mx[r]);
-        m_run[r] = mx[r];
-      }
-      // With no finite score yet every exponent is exp2(-inf) = 0, never exp2(-inf - -inf).
-      m_use[r] = m_run[r] == -kInf ? 0.0f : m_run[r];
-      l_run[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float pr[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pr[e] = exp2f(x[4 * k + e] - m_use[e >> 1]);
-      pa[k >> 1][(k & 1) * 2] = pack2<kBf16>(pr[0], pr[1]);
-      pa[k >> 1][(k & 1) * 2 + 1] = pack2<kBf16>(pr[2], pr[3]);
-      // The normaliser sums the unrounded probabilities.
-      l_run[0] += pr[0] + pr[1];
-      l_run[1] += pr[2] + pr[3];
-    }
-    if (alpha[0] != 1.0f || alpha[1] != 1.0f) {
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        o[4 * n] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
-      }
-    }
+    mla::online_softmax_step(x, mx, m_run, l_run, pa, o, kRescaleSlack,
+                             [](float lo, float hi) { return pack2<kBf16>(lo, hi); });
   };
 
   // Tile 0's scores, with tile 1's operand prepared meanwhile.

@@ -111,6 +111,52 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_mn(float (&d)[128], const ui
   }
 }
 
+// One online-softmax step over a 64 x 32 score tile held in the m64n32 accumulator layout (x: this thread's 16
+// scores in the log2 domain, -inf where masked; mx: this thread's maxima of its two rows, before the quad
+// reduction): the running maximum m_run is raised when the tile's exceeds it by more than `slack` (always from
+// -inf to finite); l_run and the value accumulator o (m64n256 layout) are rescaled by the same factor; P against
+// the running maximum goes to pa as the A fragments of the tile's two 16-column k-steps, rounded by
+// pack(lo, hi) -> two 16-bit values; the normaliser sums the unrounded P.
+template <typename Pack>
+__device__ __forceinline__ void online_softmax_step(const float (&x)[16], float (&mx)[2], float (&m_run)[2],
+                                                    float (&l_run)[2], uint32_t (&pa)[2][4], float (&o)[128],
+                                                    float slack, Pack pack) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  float alpha[2], m_use[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 2));
+    alpha[r] = 1.0f;
+    if (mx[r] > m_run[r] + slack) {
+      alpha[r] = exp2f(m_run[r] - mx[r]);
+      m_run[r] = mx[r];
+    }
+    // With no finite score yet every exponent is exp2(-inf) = 0, never exp2(-inf - -inf).
+    m_use[r] = m_run[r] == kNegInf ? 0.0f : m_run[r];
+    l_run[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float pr[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pr[e] = exp2f(x[4 * k + e] - m_use[e >> 1]);
+    pa[k >> 1][(k & 1) * 2] = pack(pr[0], pr[1]);
+    pa[k >> 1][(k & 1) * 2 + 1] = pack(pr[2], pr[3]);
+    l_run[0] += pr[0] + pr[1];
+    l_run[1] += pr[2] + pr[3];
+  }
+  if (alpha[0] != 1.0f || alpha[1] != 1.0f) {
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+  }
+}
+
 #undef KESTREL_MLA_D16
 #undef KESTREL_MLA_R16
 #undef KESTREL_MLA_D128
