@@ -28,6 +28,7 @@
 #include "kernels/cuda/runtime.h"
 #include "model/make_model.h"
 #include "model/model.h"
+#include "cpu_reference.h"
 #include "model/safetensors.h"
 
 namespace kestrel {
@@ -107,33 +108,6 @@ std::vector<int32_t> random_prompt(int n, uint32_t seed) {
   return ids;
 }
 
-// The request alone through the CPU model, greedy: logits [prompt + max_tokens - 1, vocab] and the tokens.
-void cpu_alone(const Model& m, const std::vector<int32_t>& prompt, int max_tokens, std::vector<float>& logits,
-               std::vector<int32_t>& tokens) {
-  const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
-  SequenceState s = m.new_sequence();
-  logits.assign(static_cast<size_t>(P * V), 0.0f);
-  m.forward(s, prompt.data(), P, logits.data());
-  for (int i = 0; i < max_tokens; ++i) {
-    const float* last = logits.data() + logits.size() - V;
-    const int32_t tok = static_cast<int32_t>(std::max_element(last, last + V) - last);
-    tokens.push_back(tok);
-    if (i + 1 == max_tokens) break;
-    const size_t at = logits.size();
-    logits.resize(at + V);
-    m.forward(s, &tok, 1, logits.data() + at);
-  }
-}
-
-float row_error(const float* a, const float* ref, int64_t V) {
-  float err = 0.0f, scale = 0.0f;
-  for (int64_t v = 0; v < V; ++v) {
-    err = std::max(err, std::fabs(a[v] - ref[v]));
-    scale = std::max(scale, std::fabs(ref[v]));
-  }
-  return err / scale;
-}
-
 void expect_typical(std::vector<float> r, const std::string& what) {
   ASSERT_FALSE(r.empty()) << what;
   std::sort(r.begin(), r.end());
@@ -179,9 +153,9 @@ TEST(GpuFp8Model, PromptsAndDecodesMatchCpu) {
     const size_t i = std::find(prompts.begin(), prompts.end(), r.prompt) - prompts.begin();
     ASSERT_LT(i, prompts.size());
     const Completion& got = r.completions.at(0);
-    std::vector<float> ref;
-    std::vector<int32_t> ref_tokens;
-    cpu_alone(*m, prompts[i], max_tokens[i], ref, ref_tokens);
+    const gpu_test::Reference reference = gpu_test::cpu_alone(*m, prompts[i], max_tokens[i]);
+    const std::vector<float>& ref = reference.logits;
+    const std::vector<int32_t>& ref_tokens = reference.tokens;
     int64_t same = 0;
     while (same < static_cast<int64_t>(std::min(got.token_ids.size(), ref_tokens.size())) &&
            got.token_ids[same] == ref_tokens[same])
@@ -191,7 +165,7 @@ TEST(GpuFp8Model, PromptsAndDecodesMatchCpu) {
     // Rows computed from the same inputs on both sides: up to the first differing greedy token.
     const int64_t last = std::min<int64_t>(P - 1 + same, P + max_tokens[i] - 2);
     for (int64_t p = got.logits_first; p <= last; ++p) {
-      const float err = row_error(got.logits.data() + (p - got.logits_first) * V, ref.data() + p * V, V);
+      const float err = gpu_test::row_error(got.logits.data() + (p - got.logits_first) * V, ref.data() + p * V, V);
       all.push_back(err);
       if (p >= P) decode_rows.push_back(err);  // the rows of generated tokens come from decode steps
     }

@@ -27,9 +27,14 @@
 #include "kernels/cuda/runtime.h"
 #include "model/make_model.h"
 #include "model/model.h"
+#include "cpu_reference.h"
 
 namespace kestrel {
 namespace {
+
+using gpu_test::cpu_alone;
+using gpu_test::Reference;
+using gpu_test::row_error;
 
 // A few tokens of one request (EveryPrefixOfTheLayersMatchesCpu): logit rows agree with the bf16-activation
 // reference within this fraction of the row's largest |logit|. What is left between the two: fp32 sums in other
@@ -79,40 +84,6 @@ std::vector<int32_t> random_prompt(int n, uint32_t seed, int64_t vocab) {
   std::vector<int32_t> ids(n);
   for (auto& t : ids) t = static_cast<int32_t>(rng() % std::min<int64_t>(vocab, 256));
   return ids;
-}
-
-struct Reference {
-  std::vector<int32_t> tokens;
-  std::vector<float> logits;  // [prompt + tokens - 1, vocab]
-};
-
-// The request alone through the CPU model: the prompt in one call, then one token per call, greedy.
-Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, int max_tokens) {
-  const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
-  Reference r;
-  SequenceState s = m.new_sequence();
-  r.logits.resize(static_cast<size_t>(P * V));
-  m.forward(s, prompt.data(), P, r.logits.data());
-  for (int i = 0; i < max_tokens; ++i) {
-    const float* last = r.logits.data() + r.logits.size() - V;
-    const int32_t tok = static_cast<int32_t>(std::max_element(last, last + V) - last);
-    r.tokens.push_back(tok);
-    if (i + 1 == max_tokens) break;
-    const size_t at = r.logits.size();
-    r.logits.resize(at + V);
-    m.forward(s, &tok, 1, r.logits.data() + at);
-  }
-  return r;
-}
-
-// The largest |a - b| over a row of logits, divided by the reference row's largest |logit|.
-float row_error(const float* a, const float* ref, int64_t V) {
-  float err = 0.0f, scale = 0.0f;
-  for (int64_t v = 0; v < V; ++v) {
-    err = std::max(err, std::fabs(a[v] - ref[v]));
-    scale = std::max(scale, std::fabs(ref[v]));
-  }
-  return err / scale;
 }
 
 // How far a GPU completion is from the plain fp32 reference: the median and largest error / row scale over the

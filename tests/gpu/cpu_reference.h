@@ -1,0 +1,48 @@
+// What the GPU engine's model tests compare against: one request alone through the CPU model, and the size of a
+// row's logit difference.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "model/model.h"
+
+namespace kestrel::gpu_test {
+
+struct Reference {
+  std::vector<int32_t> tokens;
+  std::vector<float> logits;  // [prompt + tokens - 1, vocab]
+};
+
+// The request alone through the CPU model: the prompt in one call, then one token per call, greedy.
+inline Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, int max_tokens) {
+  const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
+  Reference r;
+  SequenceState s = m.new_sequence();
+  r.logits.resize(static_cast<size_t>(P * V));
+  m.forward(s, prompt.data(), P, r.logits.data());
+  for (int i = 0; i < max_tokens; ++i) {
+    const float* last = r.logits.data() + r.logits.size() - V;
+    const int32_t tok = static_cast<int32_t>(std::max_element(last, last + V) - last);
+    r.tokens.push_back(tok);
+    if (i + 1 == max_tokens) break;
+    const size_t at = r.logits.size();
+    r.logits.resize(at + V);
+    m.forward(s, &tok, 1, r.logits.data() + at);
+  }
+  return r;
+}
+
+// The largest |a - b| over a row of logits, divided by the reference row's largest |logit|.
+inline float row_error(const float* a, const float* ref, int64_t V) {
+  float err = 0.0f, scale = 0.0f;
+  for (int64_t v = 0; v < V; ++v) {
+    err = std::max(err, std::fabs(a[v] - ref[v]));
+    scale = std::max(scale, std::fabs(ref[v]));
+  }
+  return err / scale;
+}
+
+}  // namespace kestrel::gpu_test
