@@ -123,13 +123,13 @@ enum class SparseMlaEntry {
 };
 constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64 * 2 tail bytes
 
-// Which kernel sparse_mla_decode runs; both meet the contract below. The wgmma kernel is 1.46x faster at B = 32 on
-// an H200 but its errors are 2-10x the mma.sync kernel's where a CTA walks several tiles (up to 0.8 of the 2^-8
-// bound in dsa_kernels_test; bench/results/gpu_h200_session4.md), and the small deepseek_v32 model then left its
-// typical model bounds, so the engine keeps mma_sync; wgmma is opt-in. (The cause, the running maximum's slack,
-// is removed here; not yet run on a GPU.)
+// Which kernel sparse_mla_decode runs; both meet the contract below. On an H200 the wgmma kernel is 1.41x the
+// mma.sync kernel at B = 32 and 1.56x at B = 64 (H = 128, 128K; bench/results/gpu_h200_session5.md). Session 4
+// measured 2-10x larger errors for it where a CTA walks several tiles: the cause was the running maximum's lazy
+// slack of 8, which left a split's dominant probability rounded to bf16; without the slack its largest errors in
+// dsa_kernels_test equal the mma.sync kernel's to 3 digits (session 5), so automatic takes it where it runs.
 enum class SparseMlaKernel {
-  automatic,  // mma_sync (see above)
+  automatic,  // wgmma on compute capability 9.0 when q_abs is 16-byte and out 8-byte aligned, else mma_sync
   mma_sync,   // warp-level mma.sync tiles, any device
   wgmma,      // Hopper warpgroup MMAs (sm_90a code): compute capability 9.0 only, else kestrel::Error
 };

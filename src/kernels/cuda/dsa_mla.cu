@@ -19,7 +19,7 @@
 // normalised partial output and lse, and a second kernel merges them by their lse.
 //
 // On a compute capability 9.0 GPU sparse_mla_decode runs the warpgroup-MMA kernel of dsa_mla_wgmma.cu instead (same
-// splits, same merge); SparseMlaDecodeArgs::kernel chooses explicitly.
+// splits, same merge) unless SparseMlaDecodeArgs::kernel asks for mma_sync.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -456,7 +456,11 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   require(a.kernel == SparseMlaKernel::automatic || a.kernel == SparseMlaKernel::mma_sync ||
               a.kernel == SparseMlaKernel::wgmma,
           "sparse_mla_decode: unknown kernel choice");
-  if (a.kernel == SparseMlaKernel::wgmma) {
+  // automatic: the wgmma kernel wherever it runs (compute capability 9.0, aligned q_abs and out), else mma.sync.
+  const bool wgmma = a.kernel == SparseMlaKernel::wgmma ||
+                     (a.kernel == SparseMlaKernel::automatic && sparse_mla_wgmma_supported() &&
+                      reinterpret_cast<uintptr_t>(a.q_abs) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 8 == 0);
+  if (wgmma) {
     launch_sparse_mla_wgmma(a, kv_scale, {sp.splits, sp.tiles_per_split, p.part_o, p.part_lse}, stream);
   } else if (v32) {
     launch_sparse_mla_kernel<kV32LatentEntryBytes>(grid, p, stream);
