@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kNormWarps * 32) key_norm_kernel(Pages pages, 
   const uint8_t* key = page_row(pages, bt, req, pos, kD);
   const float norm = __fsqrt_ru(warp_sum_ru(add_squares_ru(reinterpret_cast<const uint32_t*>(key)[lane], 0.0f)));
   if (lane == 0) {
-    const int page = bt.pages[int64_t{req} * bt.stride + pos / pages.page_size];
+    const int page = bt.pages[int64_t{req} * bt.stride + page_index(pages, pos)];
     const float scale = *reinterpret_cast<const float*>(pages.base + int64_t{page} * pages.page_stride +
                                                         int64_t{pages.page_size} * kD +
                                                         4 * (pos & (pages.page_size - 1)));
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(RescoreParams 
       float scale = 0.0f;
       if (c < len) {
         pos = identity ? c : cp.cand[int64_t{row} * cp.cap + c];
-        const int page = p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size];
+        const int page = p.bt.pages[int64_t{req} * p.bt.stride + page_index(p.pages, pos)];
         scale = *reinterpret_cast<const float*>(p.pages.base + int64_t{page} * p.pages.page_stride +
                                                 int64_t{p.pages.page_size} * kD +
                                                 4 * (pos & (p.pages.page_size - 1)));

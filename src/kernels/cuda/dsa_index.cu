@@ -173,7 +173,7 @@ __device__ __forceinline__ bool load_query_rows(const ScoreParams& p, const RowG
     qw[half][0] = v0.x, qw[half][1] = v0.y, qw[half][2] = v0.z, qw[half][3] = v0.w;
     qw[half][4] = v1.x, qw[half][5] = v1.y, qw[half][6] = v1.z, qw[half][7] = v1.w;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) nan = nan || has_e4m3_nan(qw[half][i]);
+    for (int i = 0; i < 8; ++i) nan = nan | has_e4m3_nan(qw[half][i]);
   }
   return nan;
 }
@@ -214,7 +214,7 @@ __device__ __forceinline__ void issue_exact_tile(ExactSmem& sm, const ScoreParam
     const bool ok = pos < ctx;
     const uint8_t* src = p.pages.base;
     if (ok) {
-      const int page = p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size];
+      const int page = p.bt.pages[int64_t{req} * p.bt.stride + page_index(p.pages, pos)];
       src = p.pages.base + int64_t{page} * p.pages.page_stride + int64_t{p.pages.page_size} * kD +
             4 * (pos & (p.pages.page_size - 1));
     }
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) index_scores_exact_kernel(Sc
       const int u = tid + it * kExactThreads;
       const int key = u >> 3, part = u & 7;
       const uint4 v = *reinterpret_cast<const uint4*>(&sm.raw[st][key * kKeyStride + part * 16]);
-      const bool key_nan = has_e4m3_nan(v.x) || has_e4m3_nan(v.y) || has_e4m3_nan(v.z) || has_e4m3_nan(v.w);
+      const bool key_nan = has_e4m3_nan(v.x) | has_e4m3_nan(v.y) | has_e4m3_nan(v.z) | has_e4m3_nan(v.w);
       const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, key_nan);
       if (part == 0) sm.knan[buf][key] = (nan_lanes >> (lane & 24)) & 0xFFu;
       uint4 l[3];
@@ -358,7 +358,7 @@ __device__ __forceinline__ void issue_fast_tile(FastStage& st, const ScoreParams
                                                 int lane) {
   const int pos_lane = tile * kWarpTileKeys + lane;
   const bool ok_lane = pos_lane < ctx;
-  const int page_lane = ok_lane ? p.bt.pages[int64_t{req} * p.bt.stride + pos_lane / p.pages.page_size] : 0;
+  const int page_lane = ok_lane ? p.bt.pages[int64_t{req} * p.bt.stride + page_index(p.pages, pos_lane)] : 0;
 #pragma unroll
   for (int it = 0; it < kWarpTileKeys * 8 / 32; ++it) {
     const int key = (lane >> 3) + 4 * it, part = lane & 7;
@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(Scor
       kb[n][4] = b.x, kb[n][5] = b.y, kb[n][6] = b.z, kb[n][7] = b.w;
       bool nan = false;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) nan = nan || has_e4m3_nan(kb[n][j]);
+      for (int j = 0; j < 8; ++j) nan = nan | has_e4m3_nan(kb[n][j]);
       nan_mask[n] = __ballot_sync(0xFFFFFFFFu, nan);  // bits 4c .. 4c+3: key column c
     }
     // k16-step s takes word s of every lane's 32 bytes, as f16 (exact): its bytes 0-1 are the k pair 2 tq, 2 tq + 1

@@ -131,7 +131,7 @@ __device__ __forceinline__ void issue_tile(Smem& sm, const Params& p, int req, i
     const int pos = tile * kKeys + key;
     const bool ok = pos < ctx;
     const uint8_t* page = p.pages.base;
-    if (ok) page += int64_t{p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size]} * p.pages.page_stride;
+    if (ok) page += int64_t{p.bt.pages[int64_t{req} * p.bt.stride + page_index(p.pages, pos)]} * p.pages.page_stride;
     const int row = pos & (p.pages.page_size - 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -155,7 +155,7 @@ __device__ __forceinline__ void flag_nan_keys(Smem& sm, int st) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4 v = *reinterpret_cast<const uint4*>(&sm.codes[st][piece_offset(key, pc.pq + 4 * h)]);
-      nan = nan || has_e4m3_nan(v.x) || has_e4m3_nan(v.y) || has_e4m3_nan(v.z) || has_e4m3_nan(v.w);
+      nan = nan | has_e4m3_nan(v.x) | has_e4m3_nan(v.y) | has_e4m3_nan(v.z) | has_e4m3_nan(v.w);
     }
     // Lanes r, r + 8, r + 16, r + 24 hold the four piece pairs of the warp's key r.
     const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, nan);
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 4) index_scores_fp8_wgmma_kernel(Par
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           qa[s][half + 2 * c] = *reinterpret_cast<const uint32_t*>(q + 32 * s + 16 * c);
-          nan = nan || has_e4m3_nan(qa[s][half + 2 * c]);
+          nan = nan | has_e4m3_nan(qa[s][half + 2 * c]);
         }
       w_row[half] = p.w[qrow];
       if (nan) atomicOr(&sm.qnan[row / p.heads], 1);

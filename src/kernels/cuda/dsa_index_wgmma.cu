@@ -81,7 +81,7 @@ __device__ __forceinline__ void issue_tile(Smem& sm, const ScoreParams& p, int r
   const int pos = tile * kKeys + pc.key;
   const bool ok = pos < ctx;
   const uint8_t* page = p.pages.base;
-  if (ok) page += int64_t{p.bt.pages[int64_t{req} * p.bt.stride + pos / p.pages.page_size]} * p.pages.page_stride;
+  if (ok) page += int64_t{p.bt.pages[int64_t{req} * p.bt.stride + page_index(p.pages, pos)]} * p.pages.page_stride;
   const int row = pos & (p.pages.page_size - 1);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -102,7 +102,7 @@ __device__ __forceinline__ void convert_tile(Smem& sm, int i, int st) {
   for (int h = 0; h < 2; ++h) {
     const int off = chunk_offset(pc.key, pc.pq + 4 * h);
     const uint4 v = *reinterpret_cast<const uint4*>(&sm.raw[st][off]);
-    nan = nan || has_e4m3_nan(v.x) || has_e4m3_nan(v.y) || has_e4m3_nan(v.z) || has_e4m3_nan(v.w);
+    nan = nan | has_e4m3_nan(v.x) | has_e4m3_nan(v.y) | has_e4m3_nan(v.z) | has_e4m3_nan(v.w);
     uint4 l[3];
     to_limbs(sm.lut, v, l);
 #pragma unroll
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 3) index_scores_exact_wgmma_kernel(S
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           words[s][c] = *reinterpret_cast<const uint32_t*>(q + 32 * s + 16 * c);
-          nan = nan || has_e4m3_nan(words[s][c]);
+          nan = nan | has_e4m3_nan(words[s][c]);
         }
       w_row[half] = p.w[qrow];
       if (nan) atomicOr(&sm.qnan[row / p.heads], 1);
