@@ -3,10 +3,14 @@
 //
 // Usage: dsa_decode_bench [--v32] [context=131072]
 //        dsa_decode_bench --profile [--v32] [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for
-//        ncu (the sparse MLA on both of its kernels: mma.sync, the engine's, then wgmma)
+//        ncu (the sparse MLA on both of its kernels: wgmma, the engine's on an H200, then mma.sync)
 // --v32: the latent in deepseek_v32's 656-byte entry (SparseMlaEntry::v32_fp8: 4 tiles of 128 e4m3 codes with an
 // fp32 scale each, 64 bf16 RoPE values) instead of Kimi's 576 bytes, for a like-for-like comparison with FlashMLA's
 // sparse decode over the same layout.
+// Bounded columns: topk_decode_bounded (dsa_candidates.h), the exact top-k from fast_fp8_mma scores and a per-key
+// bound, timed alone (it replaces "scores exact" + "top-k") and as a step with the sparse MLA; on set 0 its output
+// is compared position for position with the exact path's, with its mean candidates per row (cap 4 k), whether a
+// row overflowed (then rescored over every key) and the rescored keys whose exact score left the bound.
 // Inputs are random (quantised Gaussian keys, queries and latents, never zeros), the pages of each request are
 // scattered over the pool, and every timed iteration uses another set of requests' caches (sets of caches until
 // they are several times the 60 MB L2), so the timings read the caches from memory.
@@ -26,6 +30,7 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/dsa.h"
+#include "kernels/cuda/dsa_candidates.h"
 #include "kernels/cuda/runtime.h"
 #include "dsa_bench_inputs.h"
 #include "event_timing.h"
@@ -51,7 +56,13 @@ constexpr double kBf16Flops = 790e12;  // bf16 GEMM 8192^3 through cuBLAS (BENCH
 
 struct Result {
   double scores_exact, scores_mma, scores_fast, topk, mla, step_exact, step_fast, recall;
-  double mla_wgmma;          // the sparse MLA on its opt-in wgmma kernel (SparseMlaKernel::wgmma), for comparison
+  double mla_mma;            // the sparse MLA on its mma.sync kernel (SparseMlaKernel::mma_sync), for comparison
+  // topk_decode_bounded (dsa_candidates.h): the exact top-k from fast_fp8_mma scores, timed alone (it replaces
+  // scores exact + top-k) and as a step with the sparse MLA; on set 0 its output against the exact path's, its
+  // mean candidates per row, whether a row overflowed and its bound violations (rescored keys outside the bound).
+  double bounded, step_bounded, bounded_candidates;
+  bool bounded_equal, bounded_overflow;
+  int64_t bounded_violations;
   double scores_fast_mma;    // IndexScoreMode::fast_fp8_mma: the previous fast kernel, for comparison
   bool exact_kernels_agree;  // exact and exact_mma wrote the same score bits on set 0
 };
@@ -143,7 +154,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     scores_step(0, kestrel::cuda::IndexScoreMode::exact);
     topk_step(idx_exact.get());
     mla_step(0, idx_exact.get());
-    mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::wgmma);
+    mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::mma_sync);
     scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
     scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
@@ -176,10 +187,51 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
   scores.download(by_mma.data());
   r.exact_kernels_agree = std::memcmp(by_wgmma.data(), by_mma.data(), by_wgmma.size() * sizeof(float)) == 0;
+
+  // The bounded exact top-k on set 0 against the exact path (idx_exact holds set 0's exact selection).
+  const int cap = 4 * kTopk;
+  const size_t bws_bytes = kestrel::cuda::topk_decode_bounded_workspace_bytes(B, 1, L, kTopk, cap);
+  DeviceBuffer<uint8_t> bws(bws_bytes);
+  KESTREL_CUDA_CHECK(cudaMemset(bws.get(), 0, bws_bytes));
+  DeviceBuffer<int32_t> idx_bounded(static_cast<size_t>(B) * kTopk), cand_counts(B), overflowed(1), violations(B);
+  auto bounded_step = [&](int i, bool stats) {
+    kestrel::cuda::BoundedTopkArgs a;
+    a.queries = queries;
+    a.index_pages = pages_of(ik_pool, ik_page);
+    a.block_table = table(i);
+    a.ctx_lens = ctx_d.get();
+    a.max_ctx_len = L;
+    a.k = kTopk;
+    a.max_candidates = cap;
+    a.out = idx_bounded.get();
+    if (stats) {
+      a.candidate_counts = cand_counts.get();
+      a.overflowed = overflowed.get();
+      a.bound_violations = violations.get();
+    }
+    kestrel::cuda::topk_decode_bounded(a, bws.get(), bws_bytes, nullptr);
+  };
+  scores_step(0, kestrel::cuda::IndexScoreMode::exact);
+  topk_step(idx_exact.get());
+  bounded_step(0, true);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  {
+    std::vector<int32_t> exact_sel(idx_exact.size()), bounded_sel(idx_bounded.size()), counts(B), viol(B);
+    int32_t over = 0;
+    idx_exact.download(exact_sel.data());
+    idx_bounded.download(bounded_sel.data());
+    cand_counts.download(counts.data());
+    violations.download(viol.data());
+    overflowed.download(&over);
+    r.bounded_equal = exact_sel == bounded_sel;
+    r.bounded_overflow = over != 0;
+    r.bounded_candidates = std::accumulate(counts.begin(), counts.end(), 0.0) / B;
+    r.bounded_violations = std::accumulate(viol.begin(), viol.end(), int64_t{0});
+  }
   const int iters = 20, warm = 3;
   // The sparse MLA alone reads only B * 2048 rows per launch (1.2 MB at B = 1): rotating the cache sets would leave
   // them in L2. Each of its timed launches reads a fresh random selection instead (sorted, distinct positions); the
-  // wgmma kernel's launches get selections of their own.
+  // mma.sync kernel's launches get selections of their own.
   std::vector<DeviceBuffer<int32_t>> fresh_idx;
   for (int it = 0; it < 2 * (iters + warm); ++it) {
     std::vector<int32_t> sel(static_cast<size_t>(B) * kTopk);
@@ -200,9 +252,14 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
       median_us(iters, warm, [&](int i) { scores_step(i, kestrel::cuda::IndexScoreMode::fast_fp8_mma); });
   r.topk = median_us(iters, warm, [&](int) { topk_step(idx_exact.get()); });
   r.mla = median_us(iters, warm, [&](int i) { mla_step(i, fresh_idx[static_cast<size_t>(i % (iters + warm))].get()); });
-  r.mla_wgmma = median_us(iters, warm, [&](int i) {
+  r.mla_mma = median_us(iters, warm, [&](int i) {
     mla_step(i, fresh_idx[static_cast<size_t>(iters + warm + i % (iters + warm))].get(),
-             kestrel::cuda::SparseMlaKernel::wgmma);
+             kestrel::cuda::SparseMlaKernel::mma_sync);
+  });
+  r.bounded = median_us(iters, warm, [&](int i) { bounded_step(i, false); });
+  r.step_bounded = median_us(iters, warm, [&](int i) {
+    bounded_step(i, false);
+    mla_step(i, idx_bounded.get());
   });
   r.step_exact = median_us(iters, warm, [&](int i) {
     scores_step(i, kestrel::cuda::IndexScoreMode::exact);
@@ -260,8 +317,9 @@ int main(int argc, char** argv) {
       "\n| B | H | H_I | scores exact | scores exact_mma | exact = exact_mma | scores fp8 | scores fp8_mma | top-k | "
       "sparse MLA | "
       "step exact | step fp8 | roofline | roofline/step exact | roofline/step fp8 | fp8 top-k recall | "
-      "fp8 scan TB/s | sparse MLA wgmma |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "fp8 scan TB/s | sparse MLA mma.sync | bounded top-k | step bounded | bounded = exact | candidates/row | "
+      "overflow | violations |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Config& c : configs) {
     const Result r = run(c.B, c.H, c.Hi, L, &copy_bw, false, v32);
     // Roofline (BENCHMARKING.md): 132 L / BW + max(E K / BW, 2176 h K / F) per request, at the measured copy BW, with
@@ -273,10 +331,11 @@ int main(int argc, char** argv) {
     const double scan_tbs = static_cast<double>(c.B) * L * kestrel::cuda::kIndexKeyBytes / (r.scores_fast * 1e-6) / 1e12;
     std::printf(
         "| %d | %d | %d | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.4f | "
-        "%.2f | %.1f |\n",
+        "%.2f | %.1f | %.1f | %.1f | %s | %.0f | %s | %lld |\n",
         c.B, c.H, c.Hi, r.scores_exact, r.scores_mma, r.exact_kernels_agree ? "yes" : "NO", r.scores_fast,
         r.scores_fast_mma, r.topk, r.mla, r.step_exact, r.step_fast, roof_us, roof_us / r.step_exact, roof_us / r.step_fast, r.recall, scan_tbs,
-        r.mla_wgmma);
+        r.mla_mma, r.bounded, r.step_bounded, r.bounded_equal ? "yes" : "NO", r.bounded_candidates,
+        r.bounded_overflow ? "yes" : "no", static_cast<long long>(r.bounded_violations));
     std::fflush(stdout);
   }
   std::printf("\ntimes in microseconds, medians of 20 after 3 warm-ups; copy bandwidth measured in this run: %.2f TB/s "
