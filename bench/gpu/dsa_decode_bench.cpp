@@ -2,8 +2,9 @@
 // timed stage by stage and whole, against the roofline of shared/bench/BENCHMARKING.md. Writes a markdown table.
 //
 // Usage: dsa_decode_bench [--v32] [context=131072]
-//        dsa_decode_bench --profile [--v32] [context=131072]: one launch of each stage (B = 32, H = 128, H_I = 64), for
-//        ncu (the sparse MLA on both of its kernels: wgmma, the engine's on an H200, then mma.sync)
+//        dsa_decode_bench --profile [--batch B] [--v32] [context=131072]: one launch of each stage (B = 32 unless
+//        given, H = 128, H_I = 64), for ncu (the sparse MLA on both of its kernels: wgmma, the engine's on an H200,
+//        then mma.sync; then topk_decode_bounded's kernels)
 // --v32: the latent in deepseek_v32's 656-byte entry (SparseMlaEntry::v32_fp8: 4 tiles of 128 e4m3 codes with an
 // fp32 scale each, 64 bf16 RoPE values) instead of Kimi's 576 bytes, for a like-for-like comparison with FlashMLA's
 // sparse decode over the same layout.
@@ -150,6 +151,29 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     kestrel::cuda::sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
   };
 
+  // topk_decode_bounded (compared with the exact path on set 0 below).
+  const int cap = 4 * kTopk;
+  const size_t bws_bytes = kestrel::cuda::topk_decode_bounded_workspace_bytes(B, 1, L, kTopk, cap);
+  DeviceBuffer<uint8_t> bws(bws_bytes);
+  KESTREL_CUDA_CHECK(cudaMemset(bws.get(), 0, bws_bytes));
+  DeviceBuffer<int32_t> idx_bounded(static_cast<size_t>(B) * kTopk), cand_counts(B), overflowed(1), violations(B);
+  auto bounded_step = [&](int i, bool stats) {
+    kestrel::cuda::BoundedTopkArgs a;
+    a.queries = queries;
+    a.index_pages = pages_of(ik_pool, ik_page);
+    a.block_table = table(i);
+    a.ctx_lens = ctx_d.get();
+    a.max_ctx_len = L;
+    a.k = kTopk;
+    a.max_candidates = cap;
+    a.out = idx_bounded.get();
+    if (stats) {
+      a.candidate_counts = cand_counts.get();
+      a.overflowed = overflowed.get();
+      a.bound_violations = violations.get();
+    }
+    kestrel::cuda::topk_decode_bounded(a, bws.get(), bws_bytes, nullptr);
+  };
   if (profile) {
     scores_step(0, kestrel::cuda::IndexScoreMode::exact);
     topk_step(idx_exact.get());
@@ -157,6 +181,7 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
     mla_step(0, idx_exact.get(), kestrel::cuda::SparseMlaKernel::mma_sync);
     scores_step(0, kestrel::cuda::IndexScoreMode::fast_fp8);
     scores_step(0, kestrel::cuda::IndexScoreMode::exact_mma);
+    bounded_step(0, false);
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
     return {};
   }
@@ -189,28 +214,6 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   r.exact_kernels_agree = std::memcmp(by_wgmma.data(), by_mma.data(), by_wgmma.size() * sizeof(float)) == 0;
 
   // The bounded exact top-k on set 0 against the exact path (idx_exact holds set 0's exact selection).
-  const int cap = 4 * kTopk;
-  const size_t bws_bytes = kestrel::cuda::topk_decode_bounded_workspace_bytes(B, 1, L, kTopk, cap);
-  DeviceBuffer<uint8_t> bws(bws_bytes);
-  KESTREL_CUDA_CHECK(cudaMemset(bws.get(), 0, bws_bytes));
-  DeviceBuffer<int32_t> idx_bounded(static_cast<size_t>(B) * kTopk), cand_counts(B), overflowed(1), violations(B);
-  auto bounded_step = [&](int i, bool stats) {
-    kestrel::cuda::BoundedTopkArgs a;
-    a.queries = queries;
-    a.index_pages = pages_of(ik_pool, ik_page);
-    a.block_table = table(i);
-    a.ctx_lens = ctx_d.get();
-    a.max_ctx_len = L;
-    a.k = kTopk;
-    a.max_candidates = cap;
-    a.out = idx_bounded.get();
-    if (stats) {
-      a.candidate_counts = cand_counts.get();
-      a.overflowed = overflowed.get();
-      a.bound_violations = violations.get();
-    }
-    kestrel::cuda::topk_decode_bounded(a, bws.get(), bws_bytes, nullptr);
-  };
   scores_step(0, kestrel::cuda::IndexScoreMode::exact);
   topk_step(idx_exact.get());
   bounded_step(0, true);
@@ -286,12 +289,14 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
 
 int main(int argc, char** argv) {
   bool profile = false, v32 = false;
-  int L = 131072;
+  int L = 131072, profile_batch = 32;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--profile") == 0) {
       profile = true;
     } else if (std::strcmp(argv[i], "--v32") == 0) {
       v32 = true;
+    } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) {
+      profile_batch = std::atoi(argv[++i]);
     } else {
       L = std::atoi(argv[i]);
     }
@@ -306,7 +311,7 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, L, kTopk, kPage, latent_entry_bytes(v32), v32 ? "deepseek_v32" : "Kimi");
   double copy_bw = 0;
   if (profile) {
-    run(32, 128, 64, L, &copy_bw, true, v32);
+    run(profile_batch, 128, 64, L, &copy_bw, true, v32);
     return 0;
   }
   struct Config {
