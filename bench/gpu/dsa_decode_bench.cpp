@@ -290,16 +290,26 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
 int main(int argc, char** argv) {
   bool profile = false, v32 = false;
   int L = 131072, profile_batch = 32;
+  bool batch_given = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--profile") == 0) {
       profile = true;
     } else if (std::strcmp(argv[i], "--v32") == 0) {
       v32 = true;
-    } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) {
-      profile_batch = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--batch") == 0) {
+      profile_batch = i + 1 < argc ? std::atoi(argv[++i]) : 0;
+      batch_given = true;
+      if (profile_batch < 1) {
+        std::fprintf(stderr, "--batch needs a positive batch\n");
+        return 2;
+      }
     } else {
       L = std::atoi(argv[i]);
     }
+  }
+  if (batch_given && !profile) {
+    std::fprintf(stderr, "--batch picks the profiled batch: it needs --profile\n");
+    return 2;
   }
   if (kestrel::cuda::device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");

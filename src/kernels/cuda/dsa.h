@@ -129,7 +129,7 @@ constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64
 // slack of 8, which left a split's dominant probability rounded to bf16; without the slack its largest errors in
 // dsa_kernels_test equal the mma.sync kernel's to 3 digits (session 5), so automatic takes it where it runs.
 enum class SparseMlaKernel {
-  automatic,  // wgmma on compute capability 9.0 when q_abs is 16-byte and out 8-byte aligned, else mma_sync
+  automatic,  // wgmma on compute capability 9.0, else mma_sync
   mma_sync,   // warp-level mma.sync tiles, any device
   wgmma,      // Hopper warpgroup MMAs (sm_90a code): compute capability 9.0 only, else kestrel::Error
 };
@@ -163,7 +163,8 @@ size_t sparse_mla_decode_workspace_bytes(int batch, int n_q, int heads, int k);
 // two (what the writer, quantize_fp8_ue8m0, stores) and the product is a normal fp32 number. Bound against
 // cpu::mla_attend_absorbed on the same bf16 query and the dequantised rows (docs/dsa-kernels.md, tested):
 // |out - ref| <= 2^-8 * max |value| over the attended rows (+ fp32 rounding), |lse - ref| <= 1e-4 (1 + |ref|).
-// v32_fp8 needs latent_pages.base 16-byte aligned (as for kimi_fp8: rows are copied in 16-byte pieces).
+// latent_pages.base, q_abs and the workspace must be 16-byte aligned, out 16-byte (8-byte when the index lists are
+// not split over several CTAs: workspace_bytes() is 0); kestrel::Error otherwise.
 void sparse_mla_decode(const SparseMlaDecodeArgs& args, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
 

@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kMassWarps * 32) query_mass_kernel(const uint8
 }
 
 // (k_scale, ||k||_2 rounded up) of every position < ctx_lens[req]. Eight lanes per key, 16 codes each: a warp
-// reads four neighbouring keys (512 contiguous bytes) per step and sums each lane's squares in code order, then the
+// reads four neighbouring keys (512 contiguous bytes when page_size >= 4) per step and sums each lane's squares in code order, then the
 // eight partial sums in xor order (offsets 4, 2, 1), every addition rounded up, so the result is deterministic and
 // at least the true norm. The first version, a warp per key with one CTA per 8 keys, issued about 95 instructions
 // per key and took 0.70 ms at B = 32, 128K on the H200 (ncu): most of topk_decode_bounded's overhead.
@@ -519,6 +519,8 @@ void topk_decode_bounded(const BoundedTopkArgs& a, void* workspace, size_t works
   require(a.bound_factor >= 0.0f && a.bound_factor < 1.0f,
           "topk_decode_bounded: bound_factor must be in [0, 1), got " + std::to_string(a.bound_factor));
   check_pages(a.index_pages, "topk_decode_bounded");
+  require(reinterpret_cast<uintptr_t>(a.index_pages.base) % 16 == 0,
+          "topk_decode_bounded: the index pages' base must be 16-byte aligned (keys are read in 16-byte pieces)");
   if (q.batch == 0) return;
   require(q.codes && q.weights && a.block_table.pages && a.ctx_lens && a.out,
           "topk_decode_bounded: a device pointer is missing");
@@ -546,6 +548,7 @@ void topk_decode_bounded(const BoundedTopkArgs& a, void* workspace, size_t works
           "topk_decode_bounded memset");
 
   const Shape shape{q.n_q, a.ctx_lens, S};
+  static_assert(kMaxMassHeads >= 64, "query_mass_kernel holds the norms of every head (32 or 64, checked above)");
   query_mass_kernel<<<rows, kMassWarps * 32, 0, stream>>>(q.codes, q.weights, q.heads, row_w);
   check(cudaGetLastError(), "topk_decode_bounded: query_mass_kernel launch");
   key_norm_kernel<<<dim3((S + kNormKeysPerCta - 1) / kNormKeysPerCta, q.batch), kNormWarps * 32, 0, stream>>>(

@@ -89,7 +89,7 @@ struct ScoreParams {
   int tiles_per_split;  // key tiles of one CTA (its kernel's tile: 64 or 32 keys, 32 per warp tile in fast_fp8)
 };
 
-// The block-table entry of position pos >= 0: page_size is a power of two (check_pages), so a shift instead of the
+// The block-table index of position pos >= 0: page_size is a power of two (check_pages), so a shift instead of the
 // signed division by a runtime value that `pos / page_size` compiles to (about 25 instructions, issued per key per
 // tile in the score kernels' copy loops).
 __device__ __forceinline__ int page_index(const Pages& pages, int pos) { return pos >> (__ffs(pages.page_size) - 1); }
@@ -189,7 +189,8 @@ __device__ __forceinline__ uint32_t e4m3x2_scaled_to_bf16x2(uint16_t two, float 
 
 // True when any of the four bytes is an e4m3 NaN code (0x7F or 0xFF).
 __device__ __forceinline__ bool has_e4m3_nan(uint32_t w) {
-  // A byte is 0x7F once its sign is cleared exactly when adding 1 sets its top bit (no carry leaves a byte <= 0x7F).
+  // With the signs cleared every byte is <= 0x7F, so adding 1 never carries into the next byte and sets a byte's top
+  // bit exactly when the byte was 0x7F.
   return (((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0;
 }
 

@@ -431,6 +431,13 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   require(workspace_bytes >= need && (need == 0 || workspace != nullptr),
           "sparse_mla_decode: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
               std::to_string(need));
+  // Both kernels load q_abs in 16-byte pieces and store out in 8-byte pieces; with splits the combine reads the
+  // partials from the workspace and writes out in 16-byte pieces.
+  const uintptr_t q_at = reinterpret_cast<uintptr_t>(a.q_abs), out_at = reinterpret_cast<uintptr_t>(a.out);
+  require(q_at % 16 == 0 && out_at % (sp.splits > 1 ? 16 : 8) == 0 &&
+              (sp.splits == 1 || reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
+          "sparse_mla_decode: q_abs, the workspace and out must be 16-byte aligned (out 8-byte when the index "
+          "lists are not split)");
 
   MlaParams p{};
   p.q = a.q_abs;
@@ -456,10 +463,9 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   require(a.kernel == SparseMlaKernel::automatic || a.kernel == SparseMlaKernel::mma_sync ||
               a.kernel == SparseMlaKernel::wgmma,
           "sparse_mla_decode: unknown kernel choice");
-  // automatic: the wgmma kernel wherever it runs (compute capability 9.0, aligned q_abs and out), else mma.sync.
+  // automatic: the wgmma kernel wherever it runs (compute capability 9.0), else mma.sync.
   const bool wgmma = a.kernel == SparseMlaKernel::wgmma ||
-                     (a.kernel == SparseMlaKernel::automatic && sparse_mla_wgmma_supported() &&
-                      reinterpret_cast<uintptr_t>(a.q_abs) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 8 == 0);
+                     (a.kernel == SparseMlaKernel::automatic && sparse_mla_wgmma_supported());
   if (wgmma) {
     launch_sparse_mla_wgmma(a, kv_scale, {sp.splits, sp.tiles_per_split, p.part_o, p.part_lse}, stream);
   } else if (v32) {

@@ -843,6 +843,16 @@ TEST(DsaArguments, BadShapesThrow) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
   }
+  // Both sparse MLA kernels load q_abs in 16-byte pieces: an 8-byte aligned query is refused as well (a workspace
+  // is given so that the split plan's need is met and the alignment check is the one that fires).
+  a.latent_pages.base = reinterpret_cast<uint8_t*>(16);
+  a.q_abs = reinterpret_cast<const uint16_t*>(24);
+  try {
+    sparse_mla_decode(a, reinterpret_cast<void*>(256), size_t{1} << 30, nullptr);
+    ADD_FAILURE() << "an 8-byte aligned q_abs was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q_abs"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
