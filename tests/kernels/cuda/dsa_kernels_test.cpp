@@ -843,10 +843,26 @@ TEST(DsaArguments, BadShapesThrow) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
   }
-  // Both sparse MLA kernels load q_abs in 16-byte pieces: an 8-byte aligned query is refused as well (a workspace
-  // is given so that the split plan's need is met and the alignment check is the one that fires).
-  a.latent_pages.base = reinterpret_cast<uint8_t*>(16);
+}
+
+// Both sparse MLA kernels load q_abs in 16-byte pieces: an 8-byte aligned query is refused before any launch. The
+// split plan reads the device's multiprocessor count, so this check needs a GPU (the ones above do not).
+TEST(DsaArguments, MisalignedQueryThrows) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SparseMlaDecodeArgs a;
   a.q_abs = reinterpret_cast<const uint16_t*>(24);
+  a.batch = 1;
+  a.heads = 16;
+  a.indices = reinterpret_cast<const int32_t*>(16);
+  a.k = 64;
+  a.ctx_lens = reinterpret_cast<const int32_t*>(16);
+  a.latent_pages = {reinterpret_cast<uint8_t*>(16), int64_t{64} * kV32LatentEntryBytes, 64};
+  a.entry = SparseMlaEntry::v32_fp8;
+  a.block_table = {reinterpret_cast<const int32_t*>(16), 1};
+  a.softmax_scale = 0.1f;
+  a.out = reinterpret_cast<float*>(16);
+  a.lse = reinterpret_cast<float*>(16);
+  // A workspace is given so that the split plan's need is met and the alignment check is the one that fires.
   try {
     sparse_mla_decode(a, reinterpret_cast<void*>(256), size_t{1} << 30, nullptr);
     ADD_FAILURE() << "an 8-byte aligned q_abs was accepted";
