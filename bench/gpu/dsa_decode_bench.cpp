@@ -155,7 +155,9 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   const int cap = 4 * kTopk;
   const size_t bws_bytes = kestrel::cuda::topk_decode_bounded_workspace_bytes(B, 1, L, kTopk, cap);
   DeviceBuffer<uint8_t> bws(bws_bytes);
-  KESTREL_CUDA_CHECK(cudaMemset(bws.get(), 0, bws_bytes));
+  const size_t btopk_bytes = kestrel::cuda::topk_decode_bounded_topk_bytes(B, 1, L, kTopk);
+  DeviceBuffer<uint8_t> btopk(btopk_bytes);
+  KESTREL_CUDA_CHECK(cudaMemset(btopk.get(), 0, btopk_bytes));
   DeviceBuffer<int32_t> idx_bounded(static_cast<size_t>(B) * kTopk), cand_counts(B), overflowed(1), violations(B);
   auto bounded_step = [&](int i, bool stats) {
     kestrel::cuda::BoundedTopkArgs a;
@@ -172,6 +174,8 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
       a.overflowed = overflowed.get();
       a.bound_violations = violations.get();
     }
+    a.topk_workspace = btopk.get();
+    a.topk_workspace_bytes = btopk_bytes;
     kestrel::cuda::topk_decode_bounded(a, bws.get(), bws_bytes, nullptr);
   };
   if (profile) {

@@ -1,8 +1,8 @@
 // topk_decode_bounded (dsa_candidates.h): fast scores, per-key bounds, the threshold, the candidates, their exact
 // scores and the top-k among them, as a sequence of kernels on one stream.
 //
-// Workspace (each region 256-byte aligned, S = max_ctx_len, R = batch * n_q rows, C = max_candidates):
-//   topk      the top-k scratch shared by both topk_decode calls (zero-filled between calls by topk_decode itself)
+// Workspace (each region 256-byte aligned, S = max_ctx_len, R = batch * n_q rows, C = max_candidates); the top-k
+// scratch of both topk_decode calls is the caller's separate, zero-filled topk_workspace:
 //   fast      [R, S] fp32  fast_fp8_mma scores
 //   scratch   [R, S] fp32  first the lower ends lo, then (once tau is known) the exact scores by candidate number
 //   key_info  [batch, S]   (k_scale, ||k||_2 rounded up) per key
@@ -444,24 +444,26 @@ __global__ void __launch_bounds__(256) map_back_kernel(const int32_t* __restrict
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Layout {
-  size_t topk, fast, scratch, key_info, row_w, tau, selected, cand, chunk_counts, counts, lens, total;
-  size_t topk_bytes;
+  size_t fast, scratch, key_info, row_w, tau, selected, cand, chunk_counts, counts, lens, total;
   int chunks;
 };
+
+// Both topk_decode calls: over lo as `batch` requests of n_q rows, then over the candidates as `rows` rows of n_q = 1.
+size_t topk_bytes(int batch, int n_q, int max_ctx, int k) {
+  return std::max(topk_decode_workspace_bytes(batch, n_q, max_ctx, k),
+                  topk_decode_workspace_bytes(batch * n_q, 1, max_ctx, k));
+}
 
 Layout plan_layout(int batch, int n_q, int max_ctx, int k, int cap) {
   const size_t rows = static_cast<size_t>(batch) * n_q, S = static_cast<size_t>(max_ctx);
   Layout l{};
   l.chunks = (max_ctx + kChunk - 1) / kChunk;
-  l.topk_bytes = std::max(topk_decode_workspace_bytes(batch, n_q, max_ctx, k),
-                          topk_decode_workspace_bytes(static_cast<int>(rows), 1, max_ctx, k));
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t here = at;
     at += align_up(bytes);
     return here;
   };
-  l.topk = take(l.topk_bytes);
   l.fast = take(rows * S * sizeof(float));
   l.scratch = take(rows * S * sizeof(float));
   l.key_info = take(static_cast<size_t>(batch) * S * sizeof(float2));
@@ -504,6 +506,12 @@ void launch_rescore(const RescoreParams& p, int rows, int cap, cudaStream_t stre
 
 namespace kestrel::cuda {
 
+size_t topk_decode_bounded_topk_bytes(int batch, int n_q, int max_ctx_len, int k) {
+  dsa::check_bounded_shapes(batch, n_q, max_ctx_len, k, k, "topk_decode_bounded_topk_bytes");
+  if (batch == 0) return 0;
+  return dsa::topk_bytes(batch, n_q, max_ctx_len, k);
+}
+
 size_t topk_decode_bounded_workspace_bytes(int batch, int n_q, int max_ctx_len, int k, int max_candidates) {
   dsa::check_bounded_shapes(batch, n_q, max_ctx_len, k, max_candidates, "topk_decode_bounded_workspace_bytes");
   if (batch == 0) return 0;
@@ -529,8 +537,12 @@ void topk_decode_bounded(const BoundedTopkArgs& a, void* workspace, size_t works
   require(workspace != nullptr && workspace_bytes >= l.total,
           "topk_decode_bounded: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
               std::to_string(l.total));
+  const size_t topk_need = topk_bytes(q.batch, q.n_q, S, k);
+  require(a.topk_workspace != nullptr && a.topk_workspace_bytes >= topk_need,
+          "topk_decode_bounded: top-k workspace of " + std::to_string(a.topk_workspace_bytes) + " bytes, need " +
+              std::to_string(topk_need));
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  void* topk_ws = ws + l.topk;
+  void* topk_ws = a.topk_workspace;
   float* fast = reinterpret_cast<float*>(ws + l.fast);
   float* scratch = reinterpret_cast<float*>(ws + l.scratch);
   float2* key_info = reinterpret_cast<float2*>(ws + l.key_info);
@@ -561,7 +573,7 @@ void topk_decode_bounded(const BoundedTopkArgs& a, void* workspace, size_t works
   const BoundParams bp{shape, fast, key_info, row_w, a.bound_factor};
   lower_end_kernel<<<dim3((S + 255) / 256, rows), 256, 0, stream>>>(bp, scratch);
   check(cudaGetLastError(), "topk_decode_bounded: lower_end_kernel launch");
-  topk_decode(scratch, S, q.batch, q.n_q, a.ctx_lens, S, k, selected, topk_ws, l.topk_bytes, stream);
+  topk_decode(scratch, S, q.batch, q.n_q, a.ctx_lens, S, k, selected, topk_ws, a.topk_workspace_bytes, stream);
   threshold_kernel<<<rows, 32, 0, stream>>>(selected, k, scratch, S, tau);
   check(cudaGetLastError(), "topk_decode_bounded: threshold_kernel launch");
 
@@ -581,7 +593,7 @@ void topk_decode_bounded(const BoundedTopkArgs& a, void* workspace, size_t works
   check(cudaGetLastError(), "topk_decode_bounded: rescore_kernel launch");
 
   // One "request" per row with n_q = 1 and lens as its length: topk_decode's n is then lens[row].
-  topk_decode(scratch, S, rows, 1, lens, S, k, selected, topk_ws, l.topk_bytes, stream);
+  topk_decode(scratch, S, rows, 1, lens, S, k, selected, topk_ws, a.topk_workspace_bytes, stream);
   map_back_kernel<<<dim3((k + 255) / 256, rows), 256, 0, stream>>>(selected, k, cand, counts, cap, a.out);
   check(cudaGetLastError(), "topk_decode_bounded: map_back_kernel launch");
 }

@@ -62,10 +62,21 @@ struct BoundedTopkArgs {
   // [batch * n_q]: rescored keys whose exact score fell outside [lo, hi]; nonzero means the bound model is
   // broken and the row's set may be wrong (a broken bound on a key that was not rescored cannot be seen here).
   int32_t* bound_violations = nullptr;
+  // The two topk_decode calls' scratch (dsa.h): zero-filled once when it is allocated; every call leaves it
+  // zero-filled again, so one buffer of topk_decode_bounded_topk_bytes() for the largest shapes serves any number of
+  // calls of those or smaller shapes, one at a time (an exact path's topk_decode scratch sized for batch * n_q rows
+  // of n_q = 1 and for the calls' batch / n_q serves as well).
+  void* topk_workspace = nullptr;
+  size_t topk_workspace_bytes = 0;
 };
 
-// Device scratch for these shapes; it must be zero-filled once when it is allocated (the top-k calls inside keep a
-// zero-filled region in it), then it serves any number of calls of at most these sizes, one at a time.
+// The topk_workspace a call of these shapes needs.
+size_t topk_decode_bounded_topk_bytes(int batch, int n_q, int max_ctx_len, int k);
+
+// The workspace a call of these shapes needs: scores, bounds, candidates and their exact scores. It needs no initial
+// contents (every call writes what it reads), so calls of different shapes may share it freely, one at a time. (The
+// first version kept the top-k scratch inside it at a shape-dependent offset, so a call of another shape found
+// non-zero words there.)
 size_t topk_decode_bounded_workspace_bytes(int batch, int n_q, int max_ctx_len, int k, int max_candidates);
 
 // The k best positions per query row by cpu::topk_indices' rule over the exact scores (cpu::indexer_scores), written

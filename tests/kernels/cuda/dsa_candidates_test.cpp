@@ -174,9 +174,16 @@ struct BoundedRun {
   int32_t overflowed = -1;
 };
 
-BoundedRun run_bounded(const Problem& p, const DeviceProblem& dp, int k, int cap, float bound_factor) {
-  const size_t ws_bytes = topk_decode_bounded_workspace_bytes(p.batch, p.n_q, p.max_ctx(), k, cap);
-  DeviceBuffer<uint8_t> ws = zeroed(ws_bytes);
+// A workspace full of garbage (0xFF bytes): topk_decode_bounded must not read anything it has not written there.
+DeviceBuffer<uint8_t> garbage(size_t bytes) {
+  DeviceBuffer<uint8_t> d(std::max<size_t>(bytes, 1));
+  KESTREL_CUDA_CHECK(cudaMemset(d.get(), 0xFF, d.bytes()));
+  return d;
+}
+
+// One call on the given buffers (workspace, zero-filled top-k scratch); the optional outputs are poisoned first.
+BoundedRun call_bounded(const Problem& p, const DeviceProblem& dp, int k, int cap, float bound_factor,
+                        DeviceBuffer<uint8_t>& ws, DeviceBuffer<uint8_t>& topk_ws) {
   DeviceBuffer<int32_t> out = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()) * k, 0x7BADBEEF));
   DeviceBuffer<int32_t> counts = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()), -5));
   DeviceBuffer<int32_t> violations = to_device(std::vector<int32_t>(static_cast<size_t>(p.rows()), -5));
@@ -194,14 +201,21 @@ BoundedRun run_bounded(const Problem& p, const DeviceProblem& dp, int k, int cap
   a.candidate_counts = counts.get();
   a.overflowed = overflowed.get();
   a.bound_violations = violations.get();
-  topk_decode_bounded(a, ws.get(), ws_bytes, nullptr);
+  a.topk_workspace = topk_ws.get();
+  a.topk_workspace_bytes = topk_ws.bytes();
+  topk_decode_bounded(a, ws.get(), ws.bytes(), nullptr);
   sync();
-  BoundedRun run{to_host(out), to_host(counts), to_host(violations), to_host(overflowed)[0]};
-  // The same workspace again (its top-k region must have been left zero-filled): the same outputs, bit for bit.
-  topk_decode_bounded(a, ws.get(), ws_bytes, nullptr);
-  sync();
-  EXPECT_EQ(to_host(out), run.out) << "second call on the same workspace differs";
-  EXPECT_EQ(to_host(counts), run.counts);
+  return {to_host(out), to_host(counts), to_host(violations), to_host(overflowed)[0]};
+}
+
+BoundedRun run_bounded(const Problem& p, const DeviceProblem& dp, int k, int cap, float bound_factor) {
+  DeviceBuffer<uint8_t> ws = garbage(topk_decode_bounded_workspace_bytes(p.batch, p.n_q, p.max_ctx(), k, cap));
+  DeviceBuffer<uint8_t> topk_ws = zeroed(topk_decode_bounded_topk_bytes(p.batch, p.n_q, p.max_ctx(), k));
+  const BoundedRun run = call_bounded(p, dp, k, cap, bound_factor, ws, topk_ws);
+  // The same buffers again (the top-k scratch must have been left zero-filled): the same outputs, bit for bit.
+  const BoundedRun again = call_bounded(p, dp, k, cap, bound_factor, ws, topk_ws);
+  EXPECT_EQ(again.out, run.out) << "second call on the same buffers differs";
+  EXPECT_EQ(again.counts, run.counts);
   return run;
 }
 
@@ -279,6 +293,39 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaBoundedTopk,
                                            Case{64, 1, 64, {1, 100, 2049, 9000}, true},
                                            Case{32, 3, 16, {3, 100, 2049, 9000}, true}),
                          [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// One pair of buffers (workspace, top-k scratch) sized for the largest shape serves calls of other shapes in any
+// order: large, small, large, another small. Each result equals the exact path. The small calls plan their top-k
+// differently (fewer rows, a shorter max_ctx), so a top-k scratch left dirty by one shape would show in the next;
+// the first version kept that scratch inside the workspace at a shape-dependent offset, where it did.
+TEST(DsaBoundedTopkBound, ShapesShareOneWorkspace) {
+  REQUIRE_GPU();
+  std::mt19937 rng(4242);
+  const int k = 2048, cap = 4 * k;
+  const Problem large = make_problem(rng, 64, 3, {3, 5000, 40000, 9000}, false);
+  const DeviceProblem large_d(rng, large, 64);
+  const Problem small = make_problem(rng, 64, 1, {1, 2100}, false);
+  const DeviceProblem small_d(rng, small, 16);
+  const Problem other = make_problem(rng, 64, 2, {2, 12000, 300}, true);
+  const DeviceProblem other_d(rng, other, 32);
+  size_t ws_bytes = 0, topk_bytes = 0;
+  for (const Problem* p : {&large, &small, &other}) {
+    ws_bytes = std::max(ws_bytes, topk_decode_bounded_workspace_bytes(p->batch, p->n_q, p->max_ctx(), k, cap));
+    topk_bytes = std::max(topk_bytes, topk_decode_bounded_topk_bytes(p->batch, p->n_q, p->max_ctx(), k));
+  }
+  DeviceBuffer<uint8_t> ws = garbage(ws_bytes);
+  DeviceBuffer<uint8_t> topk_ws = zeroed(topk_bytes);
+  const std::vector<int32_t> want_large = exact_path(large, large_d, k), want_small = exact_path(small, small_d, k),
+                             want_other = exact_path(other, other_d, k);
+  const std::pair<const Problem*, const DeviceProblem*> order[] = {
+      {&large, &large_d}, {&small, &small_d}, {&large, &large_d}, {&other, &other_d}, {&small, &small_d}};
+  for (const auto& [p, dp] : order) {
+    const BoundedRun run = call_bounded(*p, *dp, k, cap, kFastScoreBoundFactor, ws, topk_ws);
+    const std::vector<int32_t>& want = p == &large ? want_large : p == &small ? want_small : want_other;
+    EXPECT_EQ(run.out, want) << "batch " << p->batch << ", n_q " << p->n_q << ": differs from the exact path";
+    for (const int32_t v : run.violations) EXPECT_EQ(v, 0);
+  }
+}
 
 // The assumption behind the bound, on every key: |fast_fp8_mma - exact| <= c k_scale ||k|| W + k_scale 2^-120 (computed
 // here in double from the codes, which is below the kernel's rounded-up value), for the Gaussian and the hard keys.
@@ -378,7 +425,8 @@ TEST(DsaBoundedTopkBound, BadArgumentsThrow) {
   const Problem p = make_problem(rng, 64, 1, {50}, false);
   const DeviceProblem dp(rng, p, 16);
   const size_t ws_bytes = topk_decode_bounded_workspace_bytes(1, 1, 50, 16, 64);
-  DeviceBuffer<uint8_t> ws = zeroed(ws_bytes);
+  DeviceBuffer<uint8_t> ws = garbage(ws_bytes);
+  DeviceBuffer<uint8_t> topk_ws = zeroed(topk_decode_bounded_topk_bytes(1, 1, 50, 16));
   DeviceBuffer<int32_t> out(16);
   BoundedTopkArgs a;
   a.queries = dp.queries(p);
@@ -389,6 +437,11 @@ TEST(DsaBoundedTopkBound, BadArgumentsThrow) {
   a.k = 16;
   a.max_candidates = 64;
   a.out = out.get();
+  EXPECT_THROW(topk_decode_bounded(a, ws.get(), ws_bytes, nullptr), Error);  // no top-k scratch
+  a.topk_workspace = topk_ws.get();
+  a.topk_workspace_bytes = topk_ws.bytes() - 1;
+  EXPECT_THROW(topk_decode_bounded(a, ws.get(), ws_bytes, nullptr), Error);  // top-k scratch too small
+  a.topk_workspace_bytes = topk_ws.bytes();
   EXPECT_THROW(topk_decode_bounded(a, ws.get(), ws_bytes - 1, nullptr), Error);
   BoundedTopkArgs bad_heads = a;
   bad_heads.queries.heads = 48;
