@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -74,7 +75,8 @@ inline bool device_is_sm90() {
          }) != 0;
 }
 
-// The arguments of the index-score kernels (dsa_index.cu, dsa_index_wgmma.cu): index_scores_decode's, flattened.
+// The arguments of the index-score kernels (dsa_index.cu, dsa_index_wgmma.cu, dsa_index_fp8_wgmma.cu):
+// index_scores_decode's, flattened.
 struct ScoreParams {
   const uint8_t* q;
   const float* w;
@@ -88,6 +90,25 @@ struct ScoreParams {
   int64_t stride;
   int tiles_per_split;  // key tiles of one CTA (its kernel's tile: 64 or 32 keys, 32 per warp tile in fast_fp8)
 };
+
+// Lets a score kernel use `smem` bytes of dynamic shared memory (all of the multiprocessor's shared memory carve-out)
+// and returns how many of its CTAs are resident per multiprocessor (call once per device, through a DeviceCache).
+inline int prepare_kernel(void (*kernel)(ScoreParams), int threads, size_t smem, const char* name) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), name);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100), name);
+  int per_sm = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), name);
+  require(per_sm > 0, std::string(name) + " does not fit on a multiprocessor");
+  return per_sm;
+}
+
+// The score kernels' grid: one wave of CTAs over (key range, request, row group), each CTA a contiguous range of
+// key tiles. Sets p.tiles_per_split; at most max_splits ranges per (request, row group).
+inline dim3 one_wave_grid(ScoreParams& p, int batch, int groups, int tiles, int max_splits, int per_sm) {
+  const int splits = std::clamp(per_sm * device_sm_count() / (batch * groups), 1, max_splits);
+  p.tiles_per_split = (tiles + splits - 1) / splits;
+  return dim3((tiles + p.tiles_per_split - 1) / p.tiles_per_split, batch, groups);
+}
 
 // The block-table index of position pos >= 0: page_size is a power of two (check_pages), so a shift instead of the
 // signed division by a runtime value that `pos / page_size` compiles to (about 25 instructions, issued per key per

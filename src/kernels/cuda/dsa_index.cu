@@ -528,16 +528,6 @@ __global__ void __launch_bounds__(kFastThreads, 3) index_scores_fast_kernel(Scor
   }
 }
 
-// Lets `kernel` use `smem` bytes of dynamic shared memory (all of the multiprocessor's shared memory carve-out) and
-// returns how many of its CTAs are resident per multiprocessor.
-int prepare_kernel(void (*kernel)(ScoreParams), int threads, size_t smem, const char* name) {
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), name);
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100), name);
-  int per_sm = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), name);
-  require(per_sm > 0, std::string(name) + " does not fit on a multiprocessor");
-  return per_sm;
-}
 
 }  // namespace
 
@@ -581,8 +571,6 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
   ScoreParams p{queries.codes, queries.weights, queries.n_q, queries.heads, index_pages, block_table,
                 ctx_lens,      max_ctx_len,     scores,        score_stride,  0};
   const int groups = (queries.n_q * queries.heads + kGroupRows - 1) / kGroupRows;
-  const int units = queries.batch * groups;
-  // One wave of CTAs, each a contiguous key range.
   // The wgmma kernel's row group is 64 (query, head) rows: with fewer (H_I = 32 at n_q = 1) half of every MMA is
   // empty and the H200 measured it 8% slower than the mma.sync kernel (bench/results/gpu_h200_session4.md).
   if (mode == IndexScoreMode::exact && exact_wgmma_available() && queries.n_q * queries.heads >= 64) {
@@ -594,9 +582,7 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
       return prepare_kernel(index_scores_exact_kernel, kExactThreads, sizeof(ExactSmem), "index_scores_exact_kernel");
     });
     const int tiles = (max_ctx_len + kTileKeys - 1) / kTileKeys;
-    const int splits = std::clamp(per_sm * device_sm_count() / units, 1, tiles);
-    p.tiles_per_split = (tiles + splits - 1) / splits;
-    const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
+    const dim3 grid = one_wave_grid(p, queries.batch, groups, tiles, tiles, per_sm);
     index_scores_exact_kernel<<<grid, kExactThreads, sizeof(ExactSmem), stream>>>(p);
   } else if (mode == IndexScoreMode::fast_fp8 && exact_wgmma_available() && queries.n_q * queries.heads >= 64) {
     launch_index_scores_fp8_wgmma(queries, index_pages, block_table, ctx_lens, max_ctx_len, scores, score_stride,
@@ -607,9 +593,7 @@ void index_scores_decode(const IndexQueries& queries, const Pages& index_pages, 
       return prepare_kernel(index_scores_fast_kernel, kFastThreads, sizeof(FastSmem), "index_scores_fast_kernel");
     });
     const int tiles = (max_ctx_len + kWarpTileKeys - 1) / kWarpTileKeys;
-    const int splits = std::clamp(per_sm * device_sm_count() / units, 1, (tiles + kFastWarps - 1) / kFastWarps);
-    p.tiles_per_split = (tiles + splits - 1) / splits;
-    const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
+    const dim3 grid = one_wave_grid(p, queries.batch, groups, tiles, (tiles + kFastWarps - 1) / kFastWarps, per_sm);
     index_scores_fast_kernel<<<grid, kFastThreads, sizeof(FastSmem), stream>>>(p);
   }
   check(cudaGetLastError(), "index_scores_decode kernel launch");

@@ -56,20 +56,6 @@ constexpr int kGroupBytes = 2 * kCoreBytes;      // the two k halves of one 8-ke
 static_assert(kStepBytes == (kKeys / 8) * kGroupBytes);
 static_assert(kKeys * 8 == 4 * kThreads);  // 16-byte pieces per tile: four per thread
 
-struct Params {
-  const uint8_t* q;
-  const float* w;
-  int n_q;
-  int heads;
-  Pages pages;
-  BlockTable bt;
-  const int32_t* ctx_lens;
-  int max_ctx;
-  float* scores;
-  int64_t stride;
-  int tiles_per_split;
-};
-
 struct Smem {
   alignas(128) uint8_t codes[kStages][kTileBytes];  // B operands, in piece_offset order
   float scale[kStages][kKeys];
@@ -123,7 +109,7 @@ __device__ __forceinline__ Piece my_piece() {
 }
 
 // Copies tile `tile` into stage `st`; positions from ctx on are zero-filled (scale 0, never written out).
-__device__ __forceinline__ void issue_tile(Smem& sm, const Params& p, int req, int ctx, int tile, int st) {
+__device__ __forceinline__ void issue_tile(Smem& sm, const ScoreParams& p, int req, int ctx, int tile, int st) {
   const Piece pc = my_piece();
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -165,7 +151,7 @@ __device__ __forceinline__ void flag_nan_keys(Smem& sm, int st) {
 
 #endif  // wgmma code
 
-__global__ void __launch_bounds__(kThreads, 4) index_scores_fp8_wgmma_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 4) index_scores_fp8_wgmma_kernel(ScoreParams p) {
 #ifdef KESTREL_DSA_FP8_WGMMA
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -288,28 +274,15 @@ void launch_index_scores_fp8_wgmma(const IndexQueries& queries, const Pages& pag
                                    const int32_t* ctx_lens, int max_ctx_len, float* scores, int64_t score_stride,
                                    cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem);
-  static DeviceCache resident;  // CTAs per multiprocessor, once per device (after the shared-memory attribute)
+  static DeviceCache resident;
   const int per_sm = resident.get([] {
-    const char* name = "index_scores_fp8_wgmma_kernel";
-    check(cudaFuncSetAttribute(index_scores_fp8_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem)),
-          name);
-    check(cudaFuncSetAttribute(index_scores_fp8_wgmma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-          name);
-    int n = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, index_scores_fp8_wgmma_kernel, kThreads, smem), name);
-    require(n > 0, std::string(name) + " does not fit on a multiprocessor");
-    return n;
+    return prepare_kernel(index_scores_fp8_wgmma_kernel, kThreads, smem, "index_scores_fp8_wgmma_kernel");
   });
-  Params p{queries.codes, queries.weights, queries.n_q, queries.heads, pages, block_table, ctx_lens, max_ctx_len,
-           scores,        score_stride,    0};
+  ScoreParams p{queries.codes, queries.weights, queries.n_q, queries.heads, pages, block_table, ctx_lens, max_ctx_len,
+                scores,        score_stride,    0};
   const int groups = (queries.n_q * queries.heads + kRows - 1) / kRows;
-  const int units = queries.batch * groups;
-  // One wave of CTAs, each a contiguous key range.
   const int tiles = (max_ctx_len + kKeys - 1) / kKeys;
-  const int splits = std::clamp(per_sm * device_sm_count() / units, 1, tiles);
-  p.tiles_per_split = (tiles + splits - 1) / splits;
-  const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
+  const dim3 grid = one_wave_grid(p, queries.batch, groups, tiles, tiles, per_sm);
   index_scores_fp8_wgmma_kernel<<<grid, kThreads, smem, stream>>>(p);
 }
 

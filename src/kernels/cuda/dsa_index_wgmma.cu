@@ -255,28 +255,15 @@ void launch_index_scores_exact_wgmma(const IndexQueries& queries, const Pages& p
                                      const int32_t* ctx_lens, int max_ctx_len, float* scores, int64_t score_stride,
                                      cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem);
-  static DeviceCache resident;  // CTAs per multiprocessor, once per device (after the shared-memory attribute)
+  static DeviceCache resident;
   const int per_sm = resident.get([] {
-    const char* name = "index_scores_exact_wgmma_kernel";
-    check(cudaFuncSetAttribute(index_scores_exact_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem)),
-          name);
-    check(cudaFuncSetAttribute(index_scores_exact_wgmma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-          name);
-    int n = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, index_scores_exact_wgmma_kernel, kThreads, smem), name);
-    require(n > 0, std::string(name) + " does not fit on a multiprocessor");
-    return n;
+    return prepare_kernel(index_scores_exact_wgmma_kernel, kThreads, smem, "index_scores_exact_wgmma_kernel");
   });
   ScoreParams p{queries.codes, queries.weights, queries.n_q, queries.heads, pages, block_table, ctx_lens, max_ctx_len,
-           scores,        score_stride,    0};
+                scores,        score_stride,    0};
   const int groups = (queries.n_q * queries.heads + kRows - 1) / kRows;
-  const int units = queries.batch * groups;
-  // One wave of CTAs, each a contiguous key range.
   const int tiles = (max_ctx_len + kKeys - 1) / kKeys;
-  const int splits = std::clamp(per_sm * device_sm_count() / units, 1, tiles);
-  p.tiles_per_split = (tiles + splits - 1) / splits;
-  const dim3 grid((tiles + p.tiles_per_split - 1) / p.tiles_per_split, queries.batch, groups);
+  const dim3 grid = one_wave_grid(p, queries.batch, groups, tiles, tiles, per_sm);
   index_scores_exact_wgmma_kernel<<<grid, kThreads, smem, stream>>>(p);
 }
 

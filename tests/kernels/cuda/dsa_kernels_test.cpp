@@ -816,6 +816,25 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
                                                MlaCase{128, 1, 2048, {3000}, 1.0f}),
                              ::testing::Values(SparseMlaKernel::mma_sync, SparseMlaKernel::wgmma)));
 
+// sparse_mla_decode arguments that pass every check (16-byte aligned fake device addresses, one v32 request of 16
+// heads and 64 indices), for the argument tests to break one at a time; never launched.
+SparseMlaDecodeArgs plausible_sparse_mla_args() {
+  SparseMlaDecodeArgs a;
+  a.q_abs = reinterpret_cast<const uint16_t*>(16);
+  a.batch = 1;
+  a.heads = 16;
+  a.indices = reinterpret_cast<const int32_t*>(16);
+  a.k = 64;
+  a.ctx_lens = reinterpret_cast<const int32_t*>(16);
+  a.latent_pages = {reinterpret_cast<uint8_t*>(16), int64_t{64} * kV32LatentEntryBytes, 64};
+  a.entry = SparseMlaEntry::v32_fp8;
+  a.block_table = {reinterpret_cast<const int32_t*>(16), 1};
+  a.softmax_scale = 0.1f;
+  a.out = reinterpret_cast<float*>(16);
+  a.lse = reinterpret_cast<float*>(16);
+  return a;
+}
+
 TEST(DsaArguments, BadShapesThrow) {
   const Pages pages{reinterpret_cast<uint8_t*>(16), 132 * 64, 64};
   const IndexQueries q{nullptr, nullptr, 1, 1, 48};
@@ -824,19 +843,8 @@ TEST(DsaArguments, BadShapesThrow) {
   EXPECT_THROW(index_key_write(nullptr, KeyDtype::f32, 1, false, nullptr, odd, nullptr), Error);
   EXPECT_THROW(topk_decode(nullptr, 5, 1, 1, nullptr, 10, 8, nullptr, nullptr, 0, nullptr), Error);
   // Latent rows are copied in 16-byte pieces: a base that is only 8-byte aligned is refused before any launch.
-  SparseMlaDecodeArgs a;
-  a.q_abs = reinterpret_cast<const uint16_t*>(16);
-  a.batch = 1;
-  a.heads = 16;
-  a.indices = reinterpret_cast<const int32_t*>(16);
-  a.k = 64;
-  a.ctx_lens = reinterpret_cast<const int32_t*>(16);
-  a.latent_pages = {reinterpret_cast<uint8_t*>(8), int64_t{64} * kV32LatentEntryBytes, 64};
-  a.entry = SparseMlaEntry::v32_fp8;
-  a.block_table = {reinterpret_cast<const int32_t*>(16), 1};
-  a.softmax_scale = 0.1f;
-  a.out = reinterpret_cast<float*>(16);
-  a.lse = reinterpret_cast<float*>(16);
+  SparseMlaDecodeArgs a = plausible_sparse_mla_args();
+  a.latent_pages.base = reinterpret_cast<uint8_t*>(8);
   try {
     sparse_mla_decode(a, nullptr, 0, nullptr);
     ADD_FAILURE() << "an 8-byte aligned latent base was accepted";
@@ -849,19 +857,8 @@ TEST(DsaArguments, BadShapesThrow) {
 // split plan reads the device's multiprocessor count, so this check needs a GPU (the ones above do not).
 TEST(DsaArguments, MisalignedQueryThrows) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  SparseMlaDecodeArgs a;
+  SparseMlaDecodeArgs a = plausible_sparse_mla_args();
   a.q_abs = reinterpret_cast<const uint16_t*>(24);
-  a.batch = 1;
-  a.heads = 16;
-  a.indices = reinterpret_cast<const int32_t*>(16);
-  a.k = 64;
-  a.ctx_lens = reinterpret_cast<const int32_t*>(16);
-  a.latent_pages = {reinterpret_cast<uint8_t*>(16), int64_t{64} * kV32LatentEntryBytes, 64};
-  a.entry = SparseMlaEntry::v32_fp8;
-  a.block_table = {reinterpret_cast<const int32_t*>(16), 1};
-  a.softmax_scale = 0.1f;
-  a.out = reinterpret_cast<float*>(16);
-  a.lse = reinterpret_cast<float*>(16);
   // A workspace is given so that the split plan's need is met and the alignment check is the one that fires.
   try {
     sparse_mla_decode(a, reinterpret_cast<void*>(256), size_t{1} << 30, nullptr);
