@@ -5,8 +5,10 @@ cd "$(dirname "$0")/.."
 tools/setup.sh build
 # Idle OpenMP threads sleep instead of spinning: several test binaries share the cores (ctest -j).
 export OMP_WAIT_POLICY=passive
-ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 600
+# The GPU tests (label gpu) are compiled here and run on a GPU machine (bench/gpu/run_h200.sh).
+ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 600 -LE gpu
 
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
-KESTREL_BIN="$PWD/build/src/kestrel" .venv/bin/python -m pytest -q tests/python
+.venv/bin/pip install -q --disable-pip-version-check --no-deps -r tests/python/requirements-grammar.txt
+KESTREL_BIN="$PWD/build/src/kestrel" KESTREL_REQUIRE_XGRAMMAR=1 .venv/bin/python -m pytest -q tests/python

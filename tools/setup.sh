@@ -9,7 +9,7 @@ if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
 
 PKGS=(build-essential cmake pkg-config git python3 python3-venv
       nlohmann-json3-dev libfmt-dev libspdlog-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libboost-dev libonig-dev libxxhash-dev libopenblas-dev bible-kjv bible-kjv-text)
+      libboost-dev libonig-dev libxxhash-dev libopenblas-dev bible-kjv bible-kjv-text python3-dev pybind11-dev)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

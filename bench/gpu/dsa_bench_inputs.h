@@ -52,7 +52,7 @@ inline std::vector<uint8_t> latent_block(std::mt19937& rng, int pages, float kv_
   return b;
 }
 
-// deepseek_v32's entries of Gaussian latent rows, encoded as MlaAttention::write_latent does (per tile of 128 codes
+// deepseek_v32's entries of Gaussian latent rows, encoded as MlaCore::write_latent does (per tile of 128 codes
 // and a ue8m0 scale, then the RoPE part in bf16).
 inline std::vector<uint8_t> v32_latent_block(std::mt19937& rng, int pages) {
   constexpr int C = cuda::kLatentValueDim, R = cuda::kLatentDim - C;
@@ -71,6 +71,17 @@ inline std::vector<uint8_t> v32_latent_block(std::mt19937& rng, int pages) {
       const uint16_t h = f32_to_bf16(x[C + i]);
       std::memcpy(e + C + C / 128 * 4 + 2 * i, &h, 2);
     }
+  }
+  return b;
+}
+
+// bf16 latent entries (SparseMlaEntry::bf16): 576 bf16 values of a Gaussian row, no scale.
+inline std::vector<uint8_t> bf16_latent_block(std::mt19937& rng, int pages) {
+  std::vector<uint8_t> b(static_cast<size_t>(pages) * kDsaPage * cuda::kBf16LatentEntryBytes);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (size_t i = 0; i < b.size(); i += 2) {
+    const uint16_t h = f32_to_bf16(n(rng));
+    std::memcpy(&b[i], &h, 2);
   }
   return b;
 }

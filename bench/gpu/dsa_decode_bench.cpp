@@ -5,6 +5,9 @@
 //        dsa_decode_bench --profile [--batch B] [--v32] [context=131072]: one launch of each stage (B = 32 unless
 //        given, H = 128, H_I = 64), for ncu (the sparse MLA on both of its kernels: wgmma, the engine's on an H200,
 //        then mma.sync; then topk_decode_bounded's kernels)
+//        dsa_decode_bench --latents [context ...]: the sparse MLA alone over each latent entry (Kimi's FP8 576 B,
+//        deepseek_v32's FP8 656 B, bf16 1152 B) on both kernels, H = 128, top-2048, B = 1, 32, 64, at each context
+//        (default 8K, 32K, 128K): one table to compare the bf16 latent with the FP8 ones
 // --v32: the latent in deepseek_v32's 656-byte entry (SparseMlaEntry::v32_fp8: 4 tiles of 128 e4m3 codes with an
 // fp32 scale each, 64 bf16 RoPE values) instead of Kimi's 576 bytes, for a like-for-like comparison with FlashMLA's
 // sparse decode over the same layout.
@@ -44,6 +47,7 @@ using kestrel::bench::latent_block;
 using kestrel::bench::latent_entry_bytes;
 using kestrel::bench::median_us;
 using kestrel::bench::v32_latent_block;
+using kestrel::bench::bf16_latent_block;
 
 using kestrel::cuda::BlockTable;
 using kestrel::cuda::DeviceBuffer;
@@ -289,9 +293,163 @@ Result run(int B, int H, int Hi, int L, double* copy_bw, bool profile, bool v32)
   return r;
 }
 
+// --latents: the sparse MLA over each latent entry, B = 1, 32, 64, H = 128, at each context in `contexts`. One pool
+// per entry, sized for B = 64 at the longest context and filled once; each (context, B) cuts sets of requests'
+// pages from a shuffled order of it (sets until they hold 600 MB, or the whole pool), each timed launch takes the next
+// set and a fresh random selection (sorted distinct positions), so the rows come from memory, not from L2.
+int run_latents(const std::vector<int>& contexts, double copy_bw) {
+  using kestrel::cuda::SparseMlaEntry;
+  using kestrel::cuda::SparseMlaKernel;
+  struct Entry {
+    SparseMlaEntry entry;
+    const char* name;
+    int bytes;
+  };
+  const Entry entries[] = {{SparseMlaEntry::kimi_fp8, "Kimi FP8", kestrel::cuda::kLatentDim},
+                           {SparseMlaEntry::v32_fp8, "deepseek_v32 FP8", kestrel::cuda::kV32LatentEntryBytes},
+                           {SparseMlaEntry::bf16, "bf16", kestrel::cuda::kBf16LatentEntryBytes}};
+  const int batches[] = {1, 32, 64};
+  constexpr int H = 128, kMaxB = 64, iters = 20, warm = 3;
+  const float kv_scale = 4.0f / 448.0f;
+  const int max_l = *std::max_element(contexts.begin(), contexts.end());
+  const int64_t pool_pages = int64_t{kMaxB} * max_l / kPage;
+  std::mt19937 rng(4321);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<uint16_t> q(static_cast<size_t>(kMaxB) * H * kestrel::cuda::kLatentDim);
+  for (uint16_t& e : q) e = kestrel::f32_to_bf16(n(rng));
+  DeviceBuffer<uint16_t> q_d(q.size());
+  q_d.upload(q.data());
+  DeviceBuffer<float> out(static_cast<size_t>(kMaxB) * H * kestrel::cuda::kLatentValueDim), lse(static_cast<size_t>(kMaxB) * H);
+  std::vector<int32_t> order(static_cast<size_t>(pool_pages));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+
+  // us[entry][kernel][context][batch]
+  std::vector<double> us(std::size(entries) * 2 * contexts.size() * std::size(batches));
+  auto at = [&](size_t e, size_t kern, size_t l, size_t b) -> double& {
+    return us[((e * 2 + kern) * contexts.size() + l) * std::size(batches) + b];
+  };
+  for (size_t e = 0; e < std::size(entries); ++e) {
+    const Entry& en = entries[e];
+    const int64_t page_bytes = int64_t{kPage} * en.bytes;
+    DeviceBuffer<uint8_t> pool(static_cast<size_t>(pool_pages * page_bytes));
+    fill_pages(pool.get(), pool_pages, page_bytes,
+               en.entry == SparseMlaEntry::v32_fp8 ? v32_latent_block(rng, 256)
+               : en.entry == SparseMlaEntry::bf16  ? bf16_latent_block(rng, 256)
+                                                   : latent_block(rng, 256, kv_scale));
+    for (size_t l = 0; l < contexts.size(); ++l) {
+      const int L = contexts[l], ppr = L / kPage;
+      for (size_t b = 0; b < std::size(batches); ++b) {
+        const int B = batches[b];
+        const int64_t set_pages = int64_t{B} * ppr;
+        const int sets = static_cast<int>(std::clamp<int64_t>(
+            static_cast<int64_t>(std::ceil(600e6 / (static_cast<double>(set_pages) * page_bytes))), 1,
+            pool_pages / set_pages));
+        std::vector<DeviceBuffer<int32_t>> tables;
+        for (int set = 0; set < sets; ++set) {
+          const std::vector<int32_t> t(order.begin() + set * set_pages, order.begin() + (set + 1) * set_pages);
+          tables.emplace_back(t.size());
+          tables.back().upload(t.data());
+        }
+        const std::vector<int32_t> lens(static_cast<size_t>(B), L);
+        DeviceBuffer<int32_t> ctx(lens.size());
+        ctx.upload(lens.data());
+        std::vector<DeviceBuffer<int32_t>> fresh;
+        std::vector<int32_t> all(static_cast<size_t>(L)), sel(static_cast<size_t>(B) * kTopk);
+        std::iota(all.begin(), all.end(), 0);
+        for (int it = 0; it < 2 * (iters + warm); ++it) {
+          for (int r = 0; r < B; ++r) {
+            for (int k = 0; k < kTopk; ++k) std::swap(all[k], all[k + rng() % (L - k)]);
+            std::sort(all.begin(), all.begin() + kTopk);
+            std::copy_n(all.begin(), kTopk, sel.begin() + int64_t{r} * kTopk);
+          }
+          fresh.emplace_back(sel.size());
+          fresh.back().upload(sel.data());
+        }
+        const size_t ws_bytes = kestrel::cuda::sparse_mla_decode_workspace_bytes(B, 1, H, kTopk);
+        DeviceBuffer<uint8_t> ws(ws_bytes);
+        for (int kern = 0; kern < 2; ++kern) {
+          at(e, kern, l, b) = median_us(iters, warm, [&](int i) {
+            kestrel::cuda::SparseMlaDecodeArgs a;
+            a.q_abs = q_d.get();
+            a.batch = B;
+            a.heads = H;
+            a.indices = fresh[static_cast<size_t>(kern * (iters + warm) + i)].get();
+            a.k = kTopk;
+            a.ctx_lens = ctx.get();
+            a.latent_pages = {pool.get(), page_bytes, kPage};
+            a.entry = en.entry;
+            a.block_table = {tables[static_cast<size_t>(i % sets)].get(), ppr};
+            a.kv_scale = kv_scale;
+            a.softmax_scale = 0.1352338f;
+            a.out = out.get();
+            a.lse = lse.get();
+            a.kernel = kern == 0 ? SparseMlaKernel::automatic : SparseMlaKernel::mma_sync;
+            kestrel::cuda::sparse_mla_decode(a, ws.get(), ws_bytes, nullptr);
+          });
+        }
+      }
+    }
+  }
+  std::printf("\n### Sparse MLA decode by latent entry (H = 128, top-%d, n_q 1; automatic = wgmma on an H200)\n\n"
+              "| L | B | kernel |", kTopk);
+  for (const Entry& en : entries) std::printf(" %s µs | %s TB/s |", en.name, en.name);
+  std::printf(" bf16 / Kimi FP8 time | compute floor µs |\n|---|---|---|");
+  for (size_t e = 0; e < std::size(entries); ++e) std::printf("---|---|");
+  std::printf("---|---|\n");
+  for (size_t l = 0; l < contexts.size(); ++l)
+    for (size_t b = 0; b < std::size(batches); ++b)
+      for (int kern = 0; kern < 2; ++kern) {
+        const int B = batches[b];
+        std::printf("| %dK | %d | %s |", contexts[l] / 1024, B, kern == 0 ? "automatic" : "mma.sync");
+        for (size_t e = 0; e < std::size(entries); ++e) {
+          const double t = at(e, kern, l, b);
+          std::printf(" %.1f | %.2f |", t, static_cast<double>(B) * kTopk * entries[e].bytes / (t * 1e-6) / 1e12);
+        }
+        std::printf(" %.2f | %.1f |\n", at(2, kern, l, b) / at(0, kern, l, b),
+                    static_cast<double>(B) * 2176.0 * H * kTopk / kBf16Flops * 1e6);
+      }
+  std::printf("\ntimes in microseconds, medians of %d after %d warm-ups; TB/s = B * %d * entry bytes / time (rows read "
+              "once); copy bandwidth in this run %.2f TB/s; compute floor at %.0f TFLOP/s (2176 FLOP per head and "
+              "selected row)\n",
+              iters, warm, kTopk, copy_bw / 1e12, kBf16Flops / 1e12);
+  return 0;
+}
+
+// The copy ceiling: bytes read + written over the time of a 1 GiB device-to-device copy.
+double measure_copy_bw() {
+  const size_t half = size_t{1} << 30;
+  DeviceBuffer<uint8_t> buf(2 * half);
+  const double us = median_us(10, 2, [&](int) {
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(buf.get() + half, buf.get(), half, cudaMemcpyDeviceToDevice));
+  });
+  return 2.0 * static_cast<double>(half) / (us * 1e-6);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--latents") == 0) {
+    std::vector<int> contexts;
+    for (int i = 2; i < argc; ++i) {
+      const int L = std::atoi(argv[i]);
+      if (L < kTopk || L % kPage != 0) {
+        std::fprintf(stderr, "--latents: a context must be a multiple of %d and at least %d, got %s\n", kPage, kTopk,
+                     argv[i]);
+        return 2;
+      }
+      contexts.push_back(L);
+    }
+    if (contexts.empty()) contexts = {8192, 32768, 131072};
+    if (kestrel::cuda::device_count() == 0) {
+      std::fprintf(stderr, "no CUDA device\n");
+      return 1;
+    }
+    cudaDeviceProp prop{};
+    KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s, %d SMs, page %d\n", prop.name, prop.multiProcessorCount, kPage);
+    return run_latents(contexts, measure_copy_bw());
+  }
   bool profile = false, v32 = false;
   int L = 131072, profile_batch = 32;
   bool batch_given = false;

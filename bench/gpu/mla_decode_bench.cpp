@@ -5,6 +5,8 @@
 // tables.
 //
 // Usage: mla_decode_bench             the tables
+//        mla_decode_bench --latents   the dense decode over the FP8 and the bf16 latent side by side at L = 8K, 32K,
+//                                     128K, B = 1, 32, 64, H = 128 and 32
 //        mla_decode_bench --profile   one dense launch per latent format at B = 32, L = 128K, H = 128, then one at
 //                                     B = 1 (FP8), for ncu
 // Inputs are random (quantised Gaussian latents, index keys and queries; never zeros); each request's pages are
@@ -92,11 +94,12 @@ std::vector<uint8_t> index_key_block(std::mt19937& rng) {
   return b;
 }
 
-// The page pools: one latent pool (sized for B = 64 at 128K in FP8, = B = 32 at 128K in bf16) and one index-key
-// pool with the same page numbers, and a shuffled order of all pages from which each shape takes its sets.
+// The page pools: one latent pool (sized for B = 64 at 128K in bf16; in FP8 its first half holds as many pages) and
+// one index-key pool with the same page numbers, and a shuffled order of all pages from which each shape takes its
+// sets.
 struct Pools {
   int64_t pages = int64_t{kMaxBatch} * kMaxCtx / kPage;
-  int64_t latent_page_bytes = int64_t{kPage} * kLatentDim;  // FP8; a bf16 page is twice that, half as many
+  int64_t latent_page_bytes = int64_t{kPage} * 2 * kLatentDim;  // bf16; an FP8 page is half that
   DeviceBuffer<uint8_t> latent{static_cast<size_t>(pages * latent_page_bytes)};
   DeviceBuffer<uint8_t> index_keys{static_cast<size_t>(pages * kPage * kIndexKeyBytes)};
   std::vector<int32_t> order;
@@ -277,7 +280,7 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, kTopk);
   Pools pools;
   std::mt19937 rng(777);
-  const int64_t fp8_pages = pools.pages, bf16_pages = pools.pages / 2;
+  const int64_t fp8_pages = pools.pages, bf16_pages = pools.pages;
 
   if (profile) {
     const Shape s32(pools, 32, kMaxCtx, fp8_pages, kLatentDim);
@@ -291,6 +294,44 @@ int main(int argc, char** argv) {
     return 0;
   }
   const double bw = copy_bandwidth(pools);
+
+  if (argc > 1 && std::strcmp(argv[1], "--latents") == 0) {
+    // The same shapes over each latent format, FP8 first (the pool holds one format at a time).
+    struct Row {
+      int L, B, H;
+    };
+    std::vector<Row> rows;
+    for (int L : {8192, 32768, 131072})
+      for (int H : {128, 32})
+        for (int B : {1, 32, 64}) rows.push_back({L, B, H});
+    std::vector<double> fp8_us, bf16_us;
+    for (const LatentDtype dtype : {LatentDtype::fp8_e4m3, LatentDtype::bf16}) {
+      pools.fill_latent(dtype);
+      const int row_bytes = kestrel::cuda::latent_row_bytes(dtype);
+      for (const Row& r : rows) {
+        const Shape shape(pools, r.B, r.L, dtype == LatentDtype::bf16 ? bf16_pages : fp8_pages, row_bytes);
+        const Dense dense(pools, shape, dtype, r.H, rng);
+        (dtype == LatentDtype::bf16 ? bf16_us : fp8_us).push_back(median_us(kIters, kWarm, [&](int i) { dense(i); }));
+      }
+    }
+    std::printf(
+        "\n### Dense MLA decode, FP8 (576 B per token) and bf16 (1152 B per token) latent\n\n"
+        "| L | B | H | FP8 µs | FP8 TB/s | bf16 µs | bf16 TB/s | bf16 / FP8 time | compute floor µs | bf16 memory "
+        "floor µs |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      const double tokens = static_cast<double>(r.B) * r.L;
+      const double flops = 2.0 * (kLatentDim + kLatentValueDim) * r.H * tokens;
+      std::printf("| %dK | %d | %d | %.1f | %.2f | %.1f | %.2f | %.2f | %.1f | %.1f |\n", r.L / 1024, r.B, r.H,
+                  fp8_us[i], tokens * kLatentDim / (fp8_us[i] * 1e-6) / 1e12, bf16_us[i],
+                  tokens * 2 * kLatentDim / (bf16_us[i] * 1e-6) / 1e12, bf16_us[i] / fp8_us[i],
+                  flops / kBf16Flops * 1e6, tokens * 2 * kLatentDim / bw * 1e6);
+    }
+    std::printf("\ntimes: medians of %d after %d warm-ups (CUDA events); copy bandwidth measured in this run: %.2f "
+                "TB/s; compute floor at %.0f TFLOP/s (2176 FLOP per head and token)\n",
+                kIters, kWarm, bw / 1e12, kBf16Flops / 1e12);
+    return 0;
+  }
 
   // Dense over the FP8 latent, and the DSA step at the same shapes (H_I = 64 with 128 heads as DeepSeek-V3.2,
   // 32 with 96 heads as Kimi K3.1 Pro).

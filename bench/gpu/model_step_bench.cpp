@@ -21,7 +21,7 @@
 
 #include "core/stats.h"
 #include "engine/engine.h"
-#include "gpu/gpu_runner.h"
+#include "gpu/cuda_backend.h"
 #include "model/make_model.h"
 #include "model/model.h"
 
@@ -83,8 +83,7 @@ int main(int argc, char** argv) {
   make_model(find_preset(Arch::kimi_linear, preset), dir, 3);
   ModelOptions opts;
   opts.latent_cache = LatentCacheDtype::fp8;
-  const auto model = Model::load(dir, opts);
-  const ModelConfig& c = model->config();
+  const ModelConfig c = load_model_config(dir);
   std::printf("model: kimi_linear %s (hidden %lld, %d layers, vocab %lld)\n", preset.c_str(),
               static_cast<long long>(c.hidden_size), c.num_hidden_layers, static_cast<long long>(c.vocab_size));
   std::printf("%6s %7s %12s %12s %12s %12s %10s %10s\n", "batch", "context", "step_ms", "no_graph_ms",
@@ -97,7 +96,10 @@ int main(int argc, char** argv) {
       cfg.max_num_batched_tokens = 2048;
       cfg.max_model_len = L + int64_t{B} * L / 2048 + 2 * steps + 192;
       cfg.enable_prefix_caching = false;
-      auto gpu = gpu::GpuBackend::attach(*model, cfg, 0.6, nullptr);
+      // A model of its own per shape: the CUDA backend's workspaces are sized once, for the engine's limits.
+      const auto model = Model::load(dir, opts, std::make_unique<gpu::CudaBackend>(0.6, nullptr));
+      gpu::CudaBackend& gpu = gpu::cuda_backend(*model);
+      const std::shared_ptr<void> attached = gpu::attach_engine(*model, cfg, nullptr);
       Engine e(*model, cfg);
       SamplingParams sp;
       // Long enough that no request ends while the last prompts are still prefilling.
@@ -113,7 +115,7 @@ int main(int argc, char** argv) {
       while (static_cast<int>(started.size()) < B)
         for (const TokenEvent& t : e.step().tokens) started.insert(t.request);
       auto time_steps = [&](bool graphs) {
-        gpu->model().set_cuda_graphs(graphs);
+        gpu.set_cuda_graphs(graphs);
         for (int i = 0; i < 3; ++i) e.step();
         std::vector<double> ms;
         for (int i = 0; i < steps; ++i) {
@@ -128,10 +130,10 @@ int main(int argc, char** argv) {
       };
       // Sampling on the host (logits copied back), without and with graphs; then sampling on the GPU (the
       // default: token ids copied back), graphs on. The profile below is of the default.
-      gpu->model().set_gpu_sampling(false);
+      gpu.set_gpu_sampling(false);
       const double no_graph = time_steps(false);
       const double graph = time_steps(true);
-      gpu->model().set_gpu_sampling(true);
+      gpu.set_gpu_sampling(true);
       const double gpu_sampled = time_steps(true);
       const double roof = step_bytes(c, B, L) / kBandwidth * 1e3;
       std::printf("%6d %7d %12.4f %12.4f %12.4f %12.4f %10.2f %10.0f\n", B, L, graph, no_graph, gpu_sampled, roof,
@@ -139,25 +141,22 @@ int main(int argc, char** argv) {
       // Where the time goes: medians over a few steps of the host's preparation, the GPU's kernels (per layer
       // without a graph), the logits' copy, and the rest of Engine::step (scheduling, sampling).
       for (bool graphs : {true, false}) {
-        gpu->model().set_cuda_graphs(graphs);
-        gpu->model().set_profiling(true);
+        gpu.set_cuda_graphs(graphs);
+        gpu.set_profiling(true);
         e.step();
         std::vector<double> step, prep, gpu_ms, copy;
-        std::vector<std::vector<double>> mixer(c.num_hidden_layers), ffn(c.num_hidden_layers);
+        std::vector<std::vector<double>> layer(c.num_hidden_layers);
         for (int i = 0; i < 8; ++i) {
           const auto t0 = std::chrono::steady_clock::now();
           e.step();
           step.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-          const auto& t = gpu->model().last_step_times();
+          const auto& t = gpu.last_step_times();
           prep.push_back(t.prepare_ms);
           gpu_ms.push_back(t.gpu_ms);
           copy.push_back(t.copy_ms);
-          for (size_t l = 0; l < t.mixer_ms.size(); ++l) {
-            mixer[l].push_back(t.mixer_ms[l]);
-            ffn[l].push_back(t.ffn_ms[l]);
-          }
+          for (size_t l = 0; l < t.layer_ms.size(); ++l) layer[l].push_back(t.layer_ms[l]);
         }
-        gpu->model().set_profiling(false);
+        gpu.set_profiling(false);
         auto med = [](std::vector<double> v) {
           std::sort(v.begin(), v.end());
           return v.empty() ? 0.0 : percentile(v, 50);
@@ -168,9 +167,8 @@ int main(int argc, char** argv) {
                     med(step) - med(prep) - med(gpu_ms) - med(copy));
         if (!graphs)
           for (int l = 0; l < c.num_hidden_layers; ++l)
-            std::printf("    layer %d %s: mixer %.4f ms, %s %.4f ms\n", l,
-                        c.layer_kinds[l] == LayerKind::kda ? "KDA" : "MLA", med(mixer[l]),
-                        c.is_moe_layer(l) ? "MoE" : "FFN", med(ffn[l]));
+            std::printf("    layer %d (%s, %s): %.4f ms\n", l, c.layer_kinds[l] == LayerKind::kda ? "KDA" : "MLA",
+                        c.is_moe_layer(l) ? "MoE" : "FFN", med(layer[l]));
       }
       std::fflush(stdout);
     }

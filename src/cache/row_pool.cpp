@@ -100,6 +100,16 @@ void RowPool::drop_cached(int32_t r) {
   }
 }
 
+void RowPool::evict_idle() {
+  while (idle_.head >= 0) {
+    const int32_t r = idle_.head;
+    remove(idle_, r);
+    meta_[r].cached = false;
+    if (on_evict_) on_evict_(r);
+    push_back(free_, Where::free, r);
+  }
+}
+
 void RowPool::check_consistency() const {
   int32_t n_free = 0, n_idle = 0;
   for (int32_t r = 0; r < num_rows_; ++r) {

@@ -39,6 +39,8 @@ class RowPool {
   void mark_cached(int32_t r);
   // The owner forgot the row's contents; an idle row becomes free.
   void drop_cached(int32_t r);
+  // Every idle cached row is evicted (the handler told of each) and becomes free; referenced rows are kept.
+  void evict_idle();
   int32_t ref_count(int32_t r) const { return meta_[r].refs; }
   bool is_cached(int32_t r) const { return meta_[r].cached; }
 

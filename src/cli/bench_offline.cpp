@@ -47,7 +47,7 @@ struct Bench {
     KESTREL_CHECK(a.input_len >= 1, "--input-len must be >= 1");
     KESTREL_CHECK(a.output_len >= 1, "--output-len must be >= 1");
     KESTREL_CHECK(a.n >= 1, "--n must be >= 1");
-    model = Model::load(a.model_dir, a.flags.model_options());
+    model = a.flags.load_model(a.model_dir);
     engine = make_engine(*model, a.flags, device);
     print_cache_plan(*engine);
   }

@@ -9,10 +9,7 @@ namespace kestrel::cli {
 
 ModelOptions EngineFlags::model_options() const {
   ModelOptions o;
-  // auto: fp32 on the CPU; the GPU keeps the latent in FP8.
-  if (kv_cache_dtype == "fp8" || (kv_cache_dtype == "auto" && resolved_device() == "cuda")) o.latent_cache = LatentCacheDtype::fp8;
-  else if (kv_cache_dtype == "nvfp4") o.latent_cache = LatentCacheDtype::nvfp4;
-  else if (kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", kv_cache_dtype);
+  o.latent_cache = parse_kv_cache_dtype(kv_cache_dtype, resolved_device(), "--kv-cache-dtype");
   if (index_dtype == "mxfp4") o.index_keys = IndexKeyDtype::mxfp4;
   else if (index_dtype != "fp8") fail("--index-dtype '{}' is not one of fp8, mxfp4", index_dtype);
   if (kda_prefill == "recurrent") {
@@ -22,7 +19,6 @@ ModelOptions EngineFlags::model_options() const {
     o.kda_chunked_prefill = false;
   }
   else if (kda_prefill != "chunked") fail("--kda-prefill '{}' is not one of chunked, recurrent", kda_prefill);
-  o.keep_fp8_weights = resolved_device() == "cuda";  // the GPU streams FP8-stored linears in FP8
   return o;
 }
 
@@ -35,16 +31,23 @@ EngineConfig EngineFlags::engine_config() const {
 
 std::string EngineFlags::resolved_device() const { return resolve_device(device); }
 
+std::unique_ptr<Model> EngineFlags::load_model(const std::string& dir) const {
+  const std::string dev = resolved_device();
+  return Model::load(dir, model_options(), make_backend(dev, gpu_memory_utilization),
+                     load.options(engine.max_model_len));
+}
+
 std::unique_ptr<Engine> make_engine(const Model& model, const EngineFlags& f, std::shared_ptr<void>& keep) {
   EngineConfig cfg = f.engine_config();
-  if (const DeviceAttach attach = device_attach(f.resolved_device(), f.gpu_memory_utilization))
+  if (const DeviceAttach attach = device_attach(f.resolved_device()))
     keep = attach(model, cfg);
   return std::make_unique<Engine>(model, cfg);
 }
 
 void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
   EngineConfig& e = f.engine;
-  cmd.add_option("--kv-cache-dtype", f.kv_cache_dtype, "MLA latent cache: auto (fp32 on the CPU) | fp8 | nvfp4");
+  cmd.add_option("--kv-cache-dtype", f.kv_cache_dtype,
+                 "MLA latent cache: auto (the model's dtype: bf16 on the GPU, fp32 on the CPU) | bf16 | fp8 | nvfp4");
   cmd.add_option("--index-dtype", f.index_dtype, "DSA index keys: fp8 | mxfp4");
   cmd.add_option("--kda-prefill", f.kda_prefill,
                  "chunked (default) | recurrent (token by token everywhere: every split is bit-exact)");
@@ -53,11 +56,12 @@ void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
   cmd.add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
   cmd.add_option("--cache-mib", f.cache_mib, "cache pool size")->capture_default_str();
   cmd.add_option("--block-size", e.block_size, "tokens per cache row (power of two; 0: the planner's choice)");
-  cmd.add_option("--max-model-len", e.max_model_len, "longest sequence (0: the model's max_position_embeddings)");
+  cmd.add_option("--max-model-len", e.max_model_len, "longest sequence (0: the config's context length)");
   cmd.add_flag("--no-prefix-caching", f.no_prefix_caching, "do not reuse cached prefixes");
   cmd.add_option("--device", f.device, "auto | cuda | cpu")->capture_default_str();
   cmd.add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
                  "fraction of the GPU's memory for weights, workspaces and cache (default 0.9; GPU only)");
+  add_load_flags(cmd, f.load);
 }
 
 void print_cache_plan(const Engine& engine) {

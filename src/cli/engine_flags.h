@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/load_flags.h"
 #include "engine/engine.h"
 #include "model/model.h"
 
@@ -18,19 +19,22 @@ struct EngineFlags {
   bool no_prefix_caching = false;
   std::string device = "auto";
   double gpu_memory_utilization = 0;
+  LoadFlags load;
 
   // Error naming the flag whose value is not one of its choices.
   ModelOptions model_options() const;
   EngineConfig engine_config() const;
   // "cpu" or "cuda" (cli/device.h).
   std::string resolved_device() const;
+  // The model of `dir` on the flags' device, loaded as the load flags say.
+  std::unique_ptr<Model> load_model(const std::string& dir) const;
 };
 
 // An engine on the flags' device; `keep` holds what the engine's device needs (declare it before the engine).
 std::unique_ptr<Engine> make_engine(const Model& model, const EngineFlags& f, std::shared_ptr<void>& keep);
 
 // --kv-cache-dtype, --index-dtype, --kda-prefill, --max-num-batched-tokens, --max-num-seqs, --cache-mib,
-// --block-size, --max-model-len, --no-prefix-caching, --device, --gpu-memory-utilization.
+// --block-size, --max-model-len, --no-prefix-caching, --device, --gpu-memory-utilization, and the load flags.
 void add_engine_flags(CLI::App& cmd, EngineFlags& f);
 
 // The cache layout an engine chose, one line on stderr.

@@ -72,7 +72,7 @@ int run_generate(GenerateArgs a) {
   if (!a.stop_token_ids.empty()) a.sampling.stop_token_ids = parse_ids(a.stop_token_ids, "--stop-token-ids");
 
   const auto t0 = std::chrono::steady_clock::now();
-  const auto model = Model::load(a.model_dir, a.flags.model_options());
+  const auto model = a.flags.load_model(a.model_dir);
   const ModelConfig& cfg = model->config();
   const auto t1 = std::chrono::steady_clock::now();
   std::shared_ptr<void> device;

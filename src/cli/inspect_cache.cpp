@@ -64,7 +64,7 @@ Runner add_inspect_cache(CLI::App& app) {
   cmd->add_option("--dcp", a->report.dcp, "decode-context-parallel GPUs (within the TP group)")->capture_default_str();
   cmd->add_option("--cache-gib,--gpu-memory", a->report.cache_gib, "cache budget per GPU in GiB (capacity table)");
   cmd->add_option("--block-size", a->report.block_size, "tokens per row (0: the planner's choice)");
-  cmd->add_option("--max-model-len", a->report.max_model_len, "full-request length (0: max_position_embeddings)");
+  cmd->add_option("--max-model-len", a->report.max_model_len, "full-request length (0: the config's context length)");
   return [cmd, a]() { return cmd->parsed() ? run_inspect(*a) : -1; };
 }
 

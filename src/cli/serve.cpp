@@ -9,6 +9,7 @@
 
 #include "cli/commands.h"
 #include "cli/device.h"
+#include "cli/load_flags.h"
 #include "core/error.h"
 #include "server/serve.h"
 
@@ -20,7 +21,8 @@ struct ServeArgs {
   int tensor_parallel_size = 1, decode_context_parallel_size = 1;
   double gpu_memory_utilization = 0;
   int64_t kv_cache_memory_bytes = int64_t{256} << 20;
-  std::string kv_cache_dtype = "auto", index_cache_dtype = "fp8", speculative_config, load_format = "safetensors";
+  std::string kv_cache_dtype = "auto", index_cache_dtype = "fp8", speculative_config;
+  LoadFlags load;
   std::string device = "auto";
   uint64_t seed = 0;
   bool enable_prefix_caching = true, enable_chunked_prefill = true, trust_remote_code = false, batch_invariant = false;
@@ -58,24 +60,17 @@ int run_serve(ServeArgs& a) {
   if (a.gpu_memory_utilization != 0 && device == "cpu")
     std::fprintf(stderr, "[kestrel] --gpu-memory-utilization has no effect on the CPU; the cache takes "
                          "--kv-cache-memory-bytes (%lld)\n", static_cast<long long>(a.kv_cache_memory_bytes));
-  if (a.load_format == "fastsafetensors")
-    std::fprintf(stderr, "[kestrel] --load-format fastsafetensors: on the CPU the weights are memory-mapped, "
-                         "which is what fastsafetensors does for GPUs\n");
-  else if (a.load_format != "safetensors" && a.load_format != "auto")
-    fail("--load-format '{}' is not one of auto, safetensors, fastsafetensors", a.load_format);
-
-  // auto: fp32 on the CPU; the GPU keeps the latent in FP8.
-  if (a.kv_cache_dtype == "fp8" || (a.kv_cache_dtype == "auto" && device == "cuda")) o.model.latent_cache = LatentCacheDtype::fp8;
-  else if (a.kv_cache_dtype == "nvfp4") o.model.latent_cache = LatentCacheDtype::nvfp4;
-  else if (a.kv_cache_dtype != "auto") fail("--kv-cache-dtype '{}' is not one of auto, fp8, nvfp4", a.kv_cache_dtype);
+  o.load = a.load.options(o.engine.max_model_len);
+  o.model.latent_cache = parse_kv_cache_dtype(a.kv_cache_dtype, device, "--kv-cache-dtype");
   if (a.index_cache_dtype == "mxfp4") o.model.index_keys = IndexKeyDtype::mxfp4;
   else if (a.index_cache_dtype != "fp8") fail("--index-cache-dtype '{}' is not one of fp8, mxfp4", a.index_cache_dtype);
   // Batch invariance holds on the CPU already; this also makes every split of a prompt give the same bits.
   if (a.batch_invariant) o.model.kda_chunked_prefill = false;
-  o.model.keep_fp8_weights = device == "cuda";  // the GPU streams FP8-stored linears in FP8
   o.engine.enable_prefix_caching = a.enable_prefix_caching;
   o.engine.cache_bytes = a.kv_cache_memory_bytes;
-  o.attach_device = device_attach(device, a.gpu_memory_utilization);
+  const double utilization = a.gpu_memory_utilization;
+  o.make_backend = [device, utilization] { return make_backend(device, utilization); };
+  o.attach_device = device_attach(device);
   for (const std::string* p : {&o.tool_call_parser, &o.reasoning_parser})
     if (!p->empty() && *p != "kimi_k3" && *p != "deepseek_v32")
       fail("parser '{}' is not one of kimi_k3, deepseek_v32", *p);
@@ -104,7 +99,9 @@ Runner add_serve(CLI::App& app) {
   cmd->add_option("--gpu-memory-utilization", a->gpu_memory_utilization, "GPU memory fraction (GPU only)");
   cmd->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "bytes of the cache pool")
       ->capture_default_str();
-  cmd->add_option("--kv-cache-dtype", a->kv_cache_dtype, "MLA latent cache: auto | fp8 | nvfp4")->capture_default_str();
+  cmd->add_option("--kv-cache-dtype", a->kv_cache_dtype,
+                  "MLA latent cache: auto (the model's dtype: bf16 on the GPU, fp32 on the CPU) | bf16 | fp8 | nvfp4")
+      ->capture_default_str();
   cmd->add_option("--index-cache-dtype", a->index_cache_dtype, "DSA index keys: fp8 | mxfp4")->capture_default_str();
   cmd->add_option("--block-size", e.block_size, "tokens per cache row (0: the planner's choice)");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", a->enable_prefix_caching,
@@ -116,7 +113,7 @@ Runner add_serve(CLI::App& app) {
   cmd->add_option("--reasoning-parser", o.reasoning_parser, "kimi_k3 | deepseek_v32");
   cmd->add_option("--chat-template", o.chat_template, "Jinja chat template file (default: the checkpoint's)");
   cmd->add_option("--speculative-config", a->speculative_config, "speculative decoding, JSON");
-  cmd->add_option("--load-format", a->load_format, "safetensors | fastsafetensors");
+  add_load_flags(*cmd, a->load);
   cmd->add_flag("--trust-remote-code", a->trust_remote_code, "accepted for vLLM compatibility (no effect)");
   auto* seed = cmd->add_option("--seed", a->seed, "seeds the sampling of requests that give no seed");
   cmd->add_option("--device", a->device, "auto | cuda | cpu")->capture_default_str();

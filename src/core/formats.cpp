@@ -220,4 +220,10 @@ void nvfp4_decode(const uint8_t* packed, const uint8_t* scales, int64_t n, float
   }
 }
 
+void fp8_block_decode(const uint8_t* codes, const float* scales, int64_t out, int64_t in, int64_t block, float* w) {
+  const int64_t cb = (in + block - 1) / block;
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t c = 0; c < in; ++c) w[r * in + c] = e4m3_to_f32(codes[r * in + c]) * scales[(r / block) * cb + c / block];
+}
+
 }  // namespace kestrel

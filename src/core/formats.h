@@ -45,6 +45,10 @@ void dequantize_fp8(const uint8_t* codes, int n, float s, float* out);
 void mxfp4_encode(const float* x, int64_t n, uint8_t* packed /* n/2 */, uint8_t* scales /* n/32 */);
 void mxfp4_decode(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out);
 
+// An FP8 block-scaled weight [out, in] (DeepSeek's weight_scale_inv: one fp32 scale per block x block tile, row-major
+// [ceil(out / block), ceil(in / block)]) decoded: w[r, c] = fp32(e4m3(codes[r, c]) * scales[r / block, c / block]).
+void fp8_block_decode(const uint8_t* codes, const float* scales, int64_t out, int64_t in, int64_t block, float* w);
+
 // ---- NVFP4: blocks of 16 e2m1 values, one e4m3 block scale each, and one fp32 tensor scale ----
 // Block scale code = e4m3(amax_block / (6 * tensor_scale)); decoded block scale sb = e4m3_to_f32(code) * tensor_scale;
 // values = e2m1(x / sb) with saturation (a zero block scale encodes all zeros). n must be a multiple of 16.

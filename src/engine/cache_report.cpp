@@ -63,7 +63,7 @@ CacheReport inspect_cache(const ModelConfig& cfg, const std::string& title, cons
   r.title = title;
   r.config = cfg;
   r.options = o;
-  r.max_model_len = o.max_model_len ? o.max_model_len : cfg.max_position_embeddings;
+  r.max_model_len = o.max_model_len ? o.max_model_len : cfg.context_length;
   KESTREL_CHECK(r.max_model_len >= 1, "--max-model-len must be positive");
   const IndexKeyDtype fp8 = IndexKeyDtype::fp8, mxfp4 = IndexKeyDtype::mxfp4;
   r.formats.push_back(format_bytes(cfg, "FP8 latent only (K3 style)", LatentCacheDtype::fp8, nullptr));

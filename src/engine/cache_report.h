@@ -8,7 +8,7 @@
 
 #include "cache/cache_plan.h"
 #include "model/config.h"
-#include "model/layers.h"
+#include "model/cache_formats.h"
 
 namespace kestrel {
 
@@ -18,7 +18,7 @@ struct CacheReportOptions {
   int tp = 1, dcp = 1;
   double cache_gib = 0.0;     // per-GPU cache budget; 0: no capacity table
   int block_size = 0;         // 0: the planner's choice
-  int64_t max_model_len = 0;  // 0: the model's max_position_embeddings
+  int64_t max_model_len = 0;  // 0: the config's context length (ModelConfig::context_length)
 };
 
 // Bytes per token per GPU of one cache format, over all attention layers (TP replicates them).

@@ -19,10 +19,17 @@ const char* finish_reason_name(FinishReason r) {
 
 namespace {
 
+// The config's context length (ModelConfig::context_length), capped by --max-model-len.
 int64_t model_max_len(const Model& model, const EngineConfig& cfg) {
-  const int64_t model_max = model.config().max_position_embeddings;
-  KESTREL_CHECK(cfg.max_model_len >= 0 && (model_max <= 0 || cfg.max_model_len <= model_max),
-                "max_model_len {} is beyond the model's max_position_embeddings {}", cfg.max_model_len, model_max);
+  const ModelConfig& c = model.config();
+  const int64_t model_max = c.context_length;
+  KESTREL_CHECK(cfg.max_model_len >= 0, "--max-model-len must be >= 0, got {}", cfg.max_model_len);
+  KESTREL_CHECK(model_max <= 0 || cfg.max_model_len <= model_max,
+                "--max-model-len {} is beyond the model's context length {} (config.json '{}')", cfg.max_model_len,
+                model_max, c.context_length_key);
+  KESTREL_CHECK(cfg.max_model_len > 0 || model_max > 0,
+                "config.json gives no context length (max_position_embeddings, model_max_length, max_seq_len, "
+                "seq_length or max_sequence_length): pass --max-model-len");
   return cfg.max_model_len ? cfg.max_model_len : model_max;
 }
 
@@ -76,6 +83,10 @@ RequestId Engine::add_request(std::vector<int32_t> prompt, const SamplingParams&
   KESTREL_CHECK(P >= 1, "a request needs at least one prompt token");
   for (int32_t t : prompt) KESTREL_CHECK(t >= 0 && t < V, "prompt token id {} is outside the vocabulary (0..{})", t, V - 1);
   params.validate(V);
+  KESTREL_CHECK(params.max_tokens > 0 || params.prompt_logprobs_start < P,
+                "a request that only scores its prompt must score at least one token: prompt_logprobs_start {} is not "
+                "before the prompt's end ({} tokens)",
+                params.prompt_logprobs_start, P);
   KESTREL_CHECK(P + params.max_tokens <= max_model_len_,
                 "request of {} prompt tokens + max_tokens {} exceeds max_model_len {} (what the cache holds for one "
                 "sequence)",
@@ -89,6 +100,8 @@ RequestId Engine::add_request(std::vector<int32_t> prompt, const SamplingParams&
   r->arrival = r->id;
   r->prompt = std::move(prompt);
   r->seqs.push_back(std::make_unique<Sequence>(r.get(), 0, r->prompt, P, Sampler(params, r->prompt, 0)));
+  r->seqs[0]->scored_until = params.scores_prompt() ? std::min(params.prompt_logprobs_start, P) : P;
+  if (params.constraint) r->seqs[0]->constraint.emplace(params.constraint);
   scheduler_.add_waiting(r->seqs[0].get());
   const RequestId id = r->id;
   requests_.emplace(id, std::move(r));
@@ -124,15 +137,29 @@ void Engine::finish_if_done(Sequence& s, int32_t token) {
 void Engine::sample(Sequence& s, const float* logits, StepOutput& out) {
   const bool want_logprobs = s.request->params.logprobs >= 0;
   TokenLogprob lp;
-  const int32_t token = s.sampler.sample(logits, model_.config().vocab_size, want_logprobs ? &lp : nullptr);
+  std::vector<uint32_t> mask;
+  if (s.constraint) {
+    mask.resize(static_cast<size_t>(s.constraint->mask_words()));
+    s.constraint->fill_mask(mask);
+  }
+  const int32_t token = s.sampler.sample(logits, model_.config().vocab_size, want_logprobs ? &lp : nullptr, mask);
   record(s, token, want_logprobs ? &lp : nullptr, out);
 }
 
 void Engine::record(Sequence& s, int32_t token, TokenLogprob* logprob, StepOutput& out) {
+  if (s.constraint)
+    KESTREL_CHECK(s.constraint->accept_token(token), "request {}: token {} is outside its grammar's mask",
+                  s.request->id, token);
   if (logprob) s.logprobs.push_back(std::move(*logprob));
   s.tokens.push_back(token);
   out.tokens.push_back({s.request->id, s.index, token});
   ++stats_.generated_tokens;
+  if (s.constraint && s.constraint->terminated() && s.status != Sequence::Status::finished) {
+    // The grammar is complete and ended (a stop token), whatever ignore_eos says: nothing may follow.
+    s.finish = FinishReason::stop;
+    scheduler_.remove(&s);
+    return;
+  }
   finish_if_done(s, token);
 }
 
@@ -144,6 +171,8 @@ void Engine::fork(Sequence& parent, const float* logits, StepOutput& out) {
   r.forked = true;
   for (int i = 1; i < r.params.n; ++i) {
     auto child = std::make_unique<Sequence>(&r, i, parent.tokens, parent.prompt_len, Sampler(r.params, r.prompt, i));
+    child->scored_until = parent.prompt_len;
+    child->constraint = parent.constraint;  // the parent has not sampled yet: the grammar's start
     child->logits = parent.logits;
     child->logits_first = parent.logits_first;
     child->logits_kept = parent.logits_kept;
@@ -166,10 +195,13 @@ bool Engine::samples_on_executor(const StepPlan& plan) const {
   bool any = false;
   for (const ScheduledSequence& x : plan.seqs) {
     const Sequence& s = *x.seq;
-    if (s.request->keep_logits) return false;
+    // Prompt log-probabilities are taken on the host, from the logits (token_logprob); a request that only scores
+    // ends there too.
+    if (s.request->keep_logits || s.scored_until < s.prompt_len || s.request->params.max_tokens == 0) return false;
     if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;  // samples nothing this step
     if (s.index == 0 && !s.request->forked && s.request->params.n > 1) return false;
     if (!runner_->samples(s.request->params)) return false;
+    if (s.constraint && !runner_->applies_token_masks()) return false;
     any = true;
   }
   // A step that samples nothing (prompt chunks, recomputed tokens) runs as any other.
@@ -188,14 +220,21 @@ StepOutput Engine::step() {
     // penalties and counts the token, exactly as Sampler::sample would.
     std::vector<SampleRow> rows;
     std::vector<Sequence*> sampled;
+    std::vector<std::vector<uint32_t>> masks;
     int64_t row = 0;
     for (const ScheduledSequence& x : plan.seqs) {
       Sequence& s = *x.seq;
       row += x.count - x.logits_from;
       if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;
-      rows.push_back({row - 1, &s.request->params, s.sampler.draw_uniform(), s.sampler.penalty_tokens()});
+      rows.push_back({row - 1, &s.request->params, s.sampler.draw_uniform(), s.sampler.penalty_tokens(), {}});
       sampled.push_back(&s);
+      masks.emplace_back();
+      if (s.constraint) {
+        masks.back().resize(static_cast<size_t>(s.constraint->mask_words()));
+        s.constraint->fill_mask(masks.back());
+      }
     }
+    for (size_t i = 0; i < rows.size(); ++i) rows[i].token_mask = masks[i];
     std::vector<SampledToken> tokens = runner_->execute_sampled(plan, rows);
     scheduler_.commit(plan);
     KESTREL_CHECK(tokens.size() == sampled.size(), "the executor sampled {} rows of {}", tokens.size(), sampled.size());
@@ -221,13 +260,38 @@ StepOutput Engine::step() {
       s.logits.insert(s.logits.end(), first, first + rows * V);
       s.logits_kept = x.start + x.count;
     }
+    if (s.scored_until < s.prompt_len) score_prompt(s, x, first);
     if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;
+    touched.push_back(s.request->id);
+    if (s.request->params.max_tokens == 0) {  // scored its prompt; generates nothing
+      s.finish = FinishReason::length;
+      scheduler_.remove(&s);
+      continue;
+    }
     const float* last = first + (rows - 1) * V;
     if (s.index == 0 && !s.request->forked && s.request->params.n > 1) fork(s, last, out);
     sample(s, last, out);
-    touched.push_back(s.request->id);
   }
   return finish_step(plan, touched, std::move(out));
+}
+
+void Engine::score_prompt(Sequence& s, const ScheduledSequence& x, const float* logits) {
+  const int64_t V = model_.config().vocab_size;
+  Request& r = *s.request;
+  for (int64_t row = x.logits_from; row < x.count; ++row) {
+    const int64_t next = x.start + row + 1;  // the token these logits predict
+    if (next != s.scored_until || next >= s.prompt_len) continue;
+    TokenLogprob lp;
+    token_logprob(logits + (row - x.logits_from) * V, V, s.tokens[next], r.params.prompt_logprobs, lp);
+    r.prompt_logprobs.push_back(std::move(lp));
+    ++s.scored_until;
+  }
+}
+
+bool Engine::reset_prefix_cache() {
+  if (has_unfinished()) return false;
+  cache_.pool().evict_idle();
+  return true;
 }
 
 StepOutput Engine::finish_step(const StepPlan& plan, const std::vector<RequestId>& touched, StepOutput out) {
@@ -262,7 +326,10 @@ RequestOutput Engine::collect(Request& r) const {
   RequestOutput out;
   out.id = r.id;
   out.prompt = r.prompt;
+  out.prompt_logprobs = r.prompt_logprobs;
+  out.prompt_logprobs_start = r.params.prompt_logprobs_start;
   for (const auto& s : r.seqs) {
+    if (r.params.max_tokens == 0) break;  // scoring only: no completion
     Completion c;
     c.index = s->index;
     c.token_ids.assign(s->tokens.begin() + s->prompt_len, s->tokens.end());

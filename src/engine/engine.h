@@ -21,7 +21,7 @@ struct EngineConfig {
   int64_t cache_bytes = int64_t{256} << 20;
   int block_size = 0;            // B; 0: the planner's choice in [16 or the KDA chunk, max_block_size]
   int max_block_size = 64;       // prefix-cache hits are at most this coarse
-  int64_t max_model_len = 0;     // 0: the model's max_position_embeddings, capped at what the cache holds
+  int64_t max_model_len = 0;     // 0: the config's context length, capped at what the cache holds
   int64_t max_num_batched_tokens = 2048;
   int max_num_seqs = 256;
   SchedulingPolicy policy = SchedulingPolicy::fcfs;
@@ -73,6 +73,9 @@ class Engine {
   // Steps until every request finished; their outputs in order of request id.
   std::vector<RequestOutput> run_to_completion();
   bool has_unfinished() const { return !requests_.empty(); }
+  // Forgets every cached prefix and KDA checkpoint (after a weight update they describe another model). Only with no
+  // request unfinished, whose rows would keep their names: false then, and nothing changes (as vLLM's).
+  bool reset_prefix_cache();
 
   const CachePlan& cache_plan() const { return cache_.plan(); }
   const CacheManager& cache() const { return cache_; }
@@ -92,6 +95,8 @@ class Engine {
   // The requests whose sequences all finished are collected; the step's counters.
   StepOutput finish_step(const StepPlan& plan, const std::vector<RequestId>& touched, StepOutput out);
   void fork(Sequence& parent, const float* logits, StepOutput& out);
+  // The log-probabilities of the prompt tokens whose logits this step computed (rows [logits_from, count) of x).
+  void score_prompt(Sequence& s, const ScheduledSequence& x, const float* logits);
   void finish_if_done(Sequence& s, int32_t token);
   RequestOutput collect(Request& r) const;
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "core/error.h"
@@ -29,7 +30,9 @@ int32_t first_max(const float* x, int64_t n) {
 
 void SamplingParams::validate(int64_t vocab) const {
   KESTREL_CHECK(n >= 1, "n must be >= 1, got {}", n);
-  KESTREL_CHECK(max_tokens >= 1, "max_tokens must be >= 1, got {}", max_tokens);
+  KESTREL_CHECK(max_tokens >= 1 || (max_tokens == 0 && scores_prompt()),
+                "max_tokens must be >= 1 (0 only for a request that scores its prompt), got {}", max_tokens);
+  KESTREL_CHECK(max_tokens >= 1 || n == 1, "a request that only scores its prompt has one sequence, not n = {}", n);
   KESTREL_CHECK(temperature >= 0.0f && std::isfinite(temperature), "temperature must be >= 0, got {}", temperature);
   KESTREL_CHECK(top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got {}", top_p);
   KESTREL_CHECK(top_k >= 0, "top_k must be >= 0 (0: off), got {}", top_k);
@@ -40,8 +43,16 @@ void SamplingParams::validate(int64_t vocab) const {
                 "repetition_penalty must be > 0, got {}", repetition_penalty);
   KESTREL_CHECK(logprobs >= -1 && logprobs <= vocab, "logprobs must be in [0, {}] (or -1: none), got {}", vocab,
                 logprobs);
+  KESTREL_CHECK(prompt_logprobs >= -1 && prompt_logprobs <= vocab,
+                "prompt_logprobs must be in [0, {}] (or -1: none), got {}", vocab, prompt_logprobs);
+  KESTREL_CHECK(prompt_logprobs_start >= 1, "prompt_logprobs_start must be >= 1 (the first token has no context), got {}",
+                prompt_logprobs_start);
   for (int32_t t : stop_token_ids)
     KESTREL_CHECK(t >= 0 && t < vocab, "stop token id {} is outside the vocabulary (0..{})", t, vocab - 1);
+  if (constraint)
+    KESTREL_CHECK(constraint->grammar && constraint->grammar->vocab_size() == vocab,
+                  "the structured-output grammar was compiled for a vocabulary of {} ids, the model has {}",
+                  constraint->grammar ? constraint->grammar->vocab_size() : 0, vocab);
 }
 
 Sampler::Sampler(const SamplingParams& p, std::span<const int32_t> prompt, uint64_t stream)
@@ -61,12 +72,43 @@ uint64_t Sampler::next_random() {
   return z ^ (z >> 31);
 }
 
+void token_logprob(const float* raw, int64_t vocab, int32_t token, int top_n, TokenLogprob& out) {
+  const float mx = *std::max_element(raw, raw + vocab);
+  double total = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(raw[i]) - mx);
+  const double lse = mx + std::log(total);
+  out.token = token;
+  out.logprob = static_cast<float>(raw[token] - lse);
+  out.rank = std::count_if(raw, raw + vocab, [&](float l) { return l >= raw[token]; });
+  out.top.clear();
+  if (top_n > 0) {
+    std::vector<int32_t> ids(vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + top_n, ids.end(),
+                      [&](int32_t a, int32_t b) { return raw[a] > raw[b] || (raw[a] == raw[b] && a < b); });
+    for (int i = 0; i < top_n; ++i) out.top.emplace_back(ids[i], static_cast<float>(raw[ids[i]] - lse));
+  }
+}
+
 int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, double uniform,
-                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob) {
+                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob, std::span<const uint32_t> allowed) {
   std::vector<float> penalised_logits;
   const float* logits = raw;
-  if (p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f || p_.repetition_penalty != 1.0f) {
+  if (!allowed.empty()) {
+    KESTREL_CHECK(static_cast<int64_t>(allowed.size()) * 32 >= vocab, "a token mask of {} words for {} logits",
+                  allowed.size(), vocab);
     penalised_logits.assign(raw, raw + vocab);
+    bool any = false;
+    for (int64_t t = 0; t < vocab; ++t) {
+      const bool ok = allowed[static_cast<size_t>(t >> 5)] >> (t & 31) & 1;
+      if (!ok) penalised_logits[static_cast<size_t>(t)] = -std::numeric_limits<float>::infinity();
+      any = any || ok;
+    }
+    KESTREL_CHECK(any, "the token mask allows no token");
+    logits = penalised_logits.data();
+  }
+  if (p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f || p_.repetition_penalty != 1.0f) {
+    if (penalised_logits.empty()) penalised_logits.assign(raw, raw + vocab);
     const float r = p_.repetition_penalty;
     // Each token once (the list is distinct): repetition for tokens of the prompt or generated, then frequency and
     // presence for generated ones; each token's operations are independent of the others'.
@@ -117,6 +159,9 @@ int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, 
       while (i < keep && prob[i] >= floor) ++i;
       keep = i;
     }
+    // Masked-out candidates (probability 0) are never the fallback of a draw that passes every cumulative sum.
+    if (!allowed.empty())
+      while (keep > 1 && prob[static_cast<size_t>(keep - 1)] == 0.0) --keep;
     double mass = 0.0;
     for (int64_t i = 0; i < keep; ++i) mass += prob[i];
     const double u = uniform * mass;
@@ -131,22 +176,7 @@ int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, 
     }
   }
 
-  if (logprob) {
-    const float mx = *std::max_element(raw, raw + vocab);
-    double total = 0.0;
-    for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(raw[i]) - mx);
-    const double lse = mx + std::log(total);
-    logprob->token = token;
-    logprob->logprob = static_cast<float>(raw[token] - lse);
-    logprob->top.clear();
-    if (p_.logprobs > 0) {
-      std::vector<int32_t> ids(vocab);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::partial_sort(ids.begin(), ids.begin() + p_.logprobs, ids.end(),
-                        [&](int32_t a, int32_t b) { return raw[a] > raw[b] || (raw[a] == raw[b] && a < b); });
-      for (int i = 0; i < p_.logprobs; ++i) logprob->top.emplace_back(ids[i], static_cast<float>(raw[ids[i]] - lse));
-    }
-  }
+  if (logprob) token_logprob(raw, vocab, token, p_.logprobs, *logprob);
   return token;
 }
 
@@ -168,9 +198,9 @@ std::vector<PenaltyToken> Sampler::penalty_tokens() const {
   return out;
 }
 
-int32_t Sampler::sample(const float* logits, int64_t vocab, TokenLogprob* logprob) {
+int32_t Sampler::sample(const float* logits, int64_t vocab, TokenLogprob* logprob, std::span<const uint32_t> allowed) {
   const double u = draw_uniform();
-  const int32_t token = sample_token(p_, logits, vocab, u, penalty_tokens(), logprob);
+  const int32_t token = sample_token(p_, logits, vocab, u, penalty_tokens(), logprob, allowed);
   accept(token);
   return token;
 }

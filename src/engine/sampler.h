@@ -3,11 +3,14 @@
 // advanced once per sampled token, so a seed gives the same tokens alone or in any batch, on every machine.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
+
+#include "grammar/output_constraint.h"
 
 namespace kestrel {
 
@@ -23,18 +26,33 @@ struct SamplingParams {
   float repetition_penalty = 1.0f; // logits of tokens in the prompt or generated: divided by it if > 0, else times
   uint64_t seed = 0;
   int logprobs = -1;             // >= 0: the sampled token's log-probability and that many top alternatives
+  // >= 0: the log-probability of every prompt token from position prompt_logprobs_start on (each given the tokens
+  // before it: teacher forcing) and that many top alternatives, from the same logits and the same function as the
+  // sampled tokens' (token_logprob). The positions scored are computed, never taken from the prefix cache.
+  int prompt_logprobs = -1;
+  int64_t prompt_logprobs_start = 1;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // Structured output: each completion's tokens are those its grammar allows (null: unconstrained).
+  std::shared_ptr<const grammar::OutputConstraint> constraint;
 
-  // Error naming the first invalid field.
+  // Error naming the first invalid field. max_tokens may be 0 only with prompt_logprobs (a request that only scores
+  // its prompt).
   void validate(int64_t vocab) const;
+  bool scores_prompt() const { return prompt_logprobs >= 0; }
 };
 
 struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0.0f;
+  int64_t rank = 0;  // how many tokens have a logit >= the token's (vLLM's rank; 0: not computed, the GPU sampler)
   std::vector<std::pair<int32_t, float>> top;  // the highest-probability tokens, best first (ties: lower id)
 };
+
+// The log-probability of `token` under the model's distribution over one row of raw logits (log-softmax, the sum
+// in double), its rank, and the `top_n` most likely tokens. Sampled and scored tokens both take it, so a token
+// scored from the logits it was sampled from gets the same bits.
+void token_logprob(const float* logits, int64_t vocab, int32_t token, int top_n, TokenLogprob& out);
 
 // A token the penalties apply to: in the prompt (counts for the repetition penalty only, and only when it is on),
 // or generated `generated` >= 1 times, or both.
@@ -45,18 +63,22 @@ struct PenaltyToken {
 };
 
 // The choice of one token from one row of logits, given everything a sequence's state contributes: the uniform
-// drawn from its stream (used only when temperature != 0) and its penalty tokens (distinct). Sampler::sample is this
-// plus the state; a device sampler (kernels/cuda/sampling.h) implements the same function.
+// drawn from its stream (used only when temperature != 0), its penalty tokens (distinct) and, with structured
+// output, the mask of allowed tokens (bit t of allowed[t / 32]; empty: all): a token outside it is -inf before
+// penalties, temperature, top-k, top-p and min-p, so it is never chosen. Sampler::sample is this plus the state; a
+// device sampler (kernels/cuda/sampling.h) implements the same function.
 int32_t sample_token(const SamplingParams& p, const float* logits, int64_t vocab, double uniform,
-                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob);
+                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob,
+                     std::span<const uint32_t> allowed = {});
 
 class Sampler {
  public:
   // stream: the index of the completion among the request's n (each draws from its own stream).
   Sampler(const SamplingParams& p, std::span<const int32_t> prompt, uint64_t stream = 0);
-  // Chooses the next token and counts it as generated. Log-probabilities, when asked for, are those of the
-  // model's distribution (the raw logits, before penalties and temperature).
-  int32_t sample(const float* logits, int64_t vocab, TokenLogprob* logprob = nullptr);
+  // Chooses the next token (among `allowed`, when given) and counts it as generated. Log-probabilities, when asked
+  // for, are those of the model's distribution (the raw logits, before the mask, penalties and temperature).
+  int32_t sample(const float* logits, int64_t vocab, TokenLogprob* logprob = nullptr,
+                 std::span<const uint32_t> allowed = {});
 
   // sample() in parts, for a token chosen elsewhere (on a GPU) by sample_token: the uniform sample() would use (the
   // stream advances only when temperature != 0, as in sample(); otherwise 0 and nothing advances), the penalty

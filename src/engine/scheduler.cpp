@@ -72,9 +72,13 @@ ScheduledSequence Scheduler::make_step(Sequence* s, int64_t start, int64_t count
   x.start = start;
   x.count = count;
   x.prompt = start < s->prompt_len && s->prompt_len > 1;
-  const bool samples = start + count == static_cast<int64_t>(s->tokens.size());
-  if (s->request->keep_logits) x.logits_from = std::clamp<int64_t>(s->logits_kept - start, 0, count);
-  else x.logits_from = samples ? count - 1 : count;
+  const bool samples = start + count == static_cast<int64_t>(s->tokens.size()) && s->request->params.max_tokens > 0;
+  // The logits of position q give the log-probability of token q + 1: scoring from token t needs rows from t - 1.
+  x.logits_from = samples ? count - 1 : count;
+  if (s->scored_until < s->prompt_len)
+    x.logits_from = std::min(x.logits_from, std::clamp<int64_t>(s->scored_until - 1 - start, 0, count));
+  if (s->request->keep_logits)
+    x.logits_from = std::min(x.logits_from, std::clamp<int64_t>(s->logits_kept - start, 0, count));
   return x;
 }
 
@@ -127,7 +131,9 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget) {
     Sequence* s = waiting_.front();
     const int64_t known = static_cast<int64_t>(s->tokens.size());
     // At least one token is computed, so that the step yields the logits to sample from.
-    const int64_t limit = std::min(known - 1, reusable_end(*s));
+    // A position to score is computed: its logits are never in the cache.
+    int64_t limit = std::min(known - 1, reusable_end(*s));
+    if (s->scored_until < s->prompt_len) limit = std::min(limit, s->scored_until - 1);
     const PrefixHit hit = cache_.lookup(s->rows, s->tokens, limit, s->request->cache_key);
     const int64_t n = tokens_to_run(*s, hit.tokens, budget);
     if (n == 0 || !cache_.admit(s->rows, hit, hit.tokens + n, plan.ops, plan.pins)) break;

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,9 +32,13 @@ struct Sequence {
   SequenceRows rows;
   Sampler sampler;
   std::vector<TokenLogprob> logprobs;
+  std::optional<grammar::OutputMatcher> constraint;  // structured output: the grammar state of its tokens
   std::vector<float> logits;     // [positions, vocab] of the fed positions it computed, when the request keeps them
   int64_t logits_first = 0;      // the position of logits' first row (later than 0 after a prefix-cache hit)
   int64_t logits_kept = 0;       // logits of positions before this one are in `logits` (or came from the cache)
+  // The next prompt position whose log-probability the request records (prompt_len: none left, or not asked for).
+  // Only the first sequence of a request scores its prompt; a recompute after preemption resumes here.
+  int64_t scored_until = 0;
   FinishReason finish = FinishReason::none;
 
   Sequence(Request* r, int idx, std::vector<int32_t> toks, int64_t prompt, const Sampler& s)
@@ -51,13 +56,15 @@ struct Request {
   int64_t arrival = 0;
   std::vector<std::unique_ptr<Sequence>> seqs;  // seqs[0] runs the prompt; the others fork from it
   bool forked = false;
+  std::vector<TokenLogprob> prompt_logprobs;  // positions params.prompt_logprobs_start, ... in order
 };
 
 // What a finished request produced.
 struct Completion {
   int index = 0;
   std::vector<int32_t> token_ids;
-  std::vector<TokenLogprob> logprobs;  // with params.logprobs >= 0
+  std::vector<TokenLogprob> logprobs;
+  std::optional<grammar::OutputMatcher> constraint;  // structured output: the grammar state of its tokens  // with params.logprobs >= 0
   std::vector<float> logits;           // with keep_logits: [prompt + generated - 1 - logits_first, vocab]
   int64_t logits_first = 0;            // the first position with logits: positions a prefix hit skipped have none
   FinishReason finish = FinishReason::none;
@@ -65,7 +72,10 @@ struct Completion {
 struct RequestOutput {
   RequestId id = 0;
   std::vector<int32_t> prompt;
-  std::vector<Completion> completions;  // by index
+  std::vector<Completion> completions;  // by index; none for a request that only scores its prompt
+  // With params.prompt_logprobs >= 0: prompt positions prompt_logprobs_start, ..., prompt - 1 (fewer when aborted).
+  std::vector<TokenLogprob> prompt_logprobs;
+  int64_t prompt_logprobs_start = 0;
 };
 
 }  // namespace kestrel

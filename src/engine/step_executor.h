@@ -21,6 +21,9 @@ struct SampleRow {
   const SamplingParams* params = nullptr;
   double uniform = 0.0;                   // Sampler::draw_uniform() of the row's sequence
   std::vector<PenaltyToken> penalties;    // Sampler::penalty_tokens() of the row's sequence
+  // Structured output: the tokens the row may choose (bit t of token_mask[t / 32]; empty: all), handed only to an
+  // executor whose applies_token_masks() is true.
+  std::span<const uint32_t> token_mask;
 };
 struct SampledToken {
   int32_t token = 0;
@@ -37,6 +40,9 @@ class StepExecutor {
   virtual const std::vector<float>& execute(const StepPlan& plan) = 0;
   // Whether execute_sampled can choose tokens with these parameters.
   virtual bool samples(const SamplingParams&) const { return false; }
+  // Whether execute_sampled applies SampleRow::token_mask (structured output). Without it, a step with a
+  // constrained row samples on the host from the logits execute() returns.
+  virtual bool applies_token_masks() const { return false; }
   // Runs the plan as execute() does and chooses each row's token as sample_token() (engine/sampler.h) would.
   virtual std::vector<SampledToken> execute_sampled(const StepPlan& plan, std::span<const SampleRow> rows);
 };

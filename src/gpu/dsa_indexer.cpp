@@ -17,7 +17,7 @@ namespace kestrel::gpu {
 
 namespace {
 
-constexpr float kIndexKeyNormEps = 1e-6f;               // as model/layers.cpp
+constexpr float kIndexKeyNormEps = 1e-6f;               // as src/cpu/mla_core.cpp
 constexpr size_t kScoreBudgetBytes = size_t{256} << 20;  // the score rows of one launch
 constexpr int kMaxRequestsPerLaunch = 65535;            // the score kernels put requests on the grid's y dimension
 constexpr int kFastDim = cuda::kIndexHeadDim;
@@ -43,15 +43,12 @@ struct DsaIndexerWorkspace {
   size_t bytes = 0;
 };
 
-DsaIndexerGpu::DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, int64_t max_tokens,
-                             int max_seqs, int64_t max_model_len, DeviceArena& arena) {
+void DsaIndexerGpu::make_workspace(int64_t max_tokens, int max_seqs, int64_t max_model_len, DeviceArena& arena) {
   KESTREL_CHECK(max_tokens > 0 && max_seqs > 0 && max_model_len > 0,
                 "DSA indexer: limits must be positive (tokens {}, sequences {}, model length {})", max_tokens, max_seqs,
                 max_model_len);
   KESTREL_CHECK(max_model_len <= INT_MAX, "DSA indexer: max_model_len {} is past the kernels' int32 positions",
                 max_model_len);
-  upload(ix, cfg, keys, arena);
-
   auto ws = std::make_shared<DsaIndexerWorkspace>();
   ws->heads = heads_;
   ws->dim = dim_;
@@ -83,10 +80,8 @@ DsaIndexerGpu::DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKey
   ws_ = std::move(ws);
 }
 
-DsaIndexerGpu::DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys,
-                             std::shared_ptr<DsaIndexerWorkspace> workspace, DeviceArena& arena) {
+void DsaIndexerGpu::share_workspace(std::shared_ptr<DsaIndexerWorkspace> workspace) {
   KESTREL_CHECK(workspace != nullptr, "DSA indexer: no workspace to share");
-  upload(ix, cfg, keys, arena);
   KESTREL_CHECK(workspace->heads == heads_ && workspace->dim == dim_ && workspace->top_k == top_k_,
                 "DSA indexer: a workspace for {} heads of {} (top-{}) cannot serve {} heads of {} (top-{})",
                 workspace->heads, workspace->dim, workspace->top_k, heads_, dim_, top_k_);
@@ -101,10 +96,11 @@ int DsaIndexerGpu::top_k() const { return top_k_; }
 int64_t DsaIndexerGpu::score_rows() const { return ws_->score_rows; }
 size_t DsaIndexerGpu::workspace_bytes() const { return ws_->bytes; }
 
-void DsaIndexerGpu::upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, DeviceArena& arena) {
+DsaIndexerGpu::DsaIndexerGpu(const DsaIndexerWeights& w, const ModelConfig& cfg, IndexKeyDtype keys,
+                             DeviceArena& arena) {
   keys_ = keys;
-  heads_ = ix.n_heads;
-  dim_ = ix.head_dim;
+  heads_ = cfg.index_n_heads;
+  dim_ = cfg.index_head_dim;
   top_k_ = cfg.index_topk;
   hidden_ = cfg.hidden_size;
   q_in_ = cfg.q_lora_rank ? cfg.q_lora_rank : cfg.hidden_size;
@@ -120,28 +116,13 @@ void DsaIndexerGpu::upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDt
                 "the GPU DSA indexer takes at most {} query bytes per token (index_n_heads * index_head_dim) unless "
                 "the head dimension is 128 with 32 or 64 heads and FP8 keys; got {} heads of {}",
                 cuda::kMaxGenericIndexQueryBytes, heads_, dim_);
-  const int64_t HD = int64_t{heads_} * dim_;
-  KESTREL_CHECK(ix.wq_b.out() == HD && ix.wq_b.in() == q_in_, "DSA indexer: wq_b is [{}, {}], expected [{}, {}]",
-                ix.wq_b.out(), ix.wq_b.in(), HD, q_in_);
-  KESTREL_CHECK(ix.wk.out() == dim_ && ix.wk.in() == hidden_, "DSA indexer: wk is [{}, {}], expected [{}, {}]",
-                ix.wk.out(), ix.wk.in(), dim_, hidden_);
-  KESTREL_CHECK(ix.weights_proj.out() == heads_ && ix.weights_proj.in() == hidden_,
-                "DSA indexer: weights_proj is [{}, {}], expected [{}, {}]", ix.weights_proj.out(),
-                ix.weights_proj.in(), heads_, hidden_);
-  KESTREL_CHECK(ix.k_norm_w.numel() == dim_ && ix.k_norm_b.numel() == dim_,
-                "DSA indexer: k_norm has {} weights and {} biases, expected {}", ix.k_norm_w.numel(),
-                ix.k_norm_b.numel(), dim_);
+  KESTREL_CHECK(w.wq_b && w.wk && w.k_norm_w && w.k_norm_b && w.weights_proj, "DSA indexer: a weight is missing");
+  wq_b_ = w.wq_b;
+  wk_ = w.wk;
+  k_norm_w_ = w.k_norm_w;
+  k_norm_b_ = w.k_norm_b;
+  w_proj_ = w.weights_proj;
   const size_t before = arena.used();
-  auto put = [&](const Tensor& t, const char* what) {
-    float* d = arena.take_n<float>(t.data.size(), what);
-    KESTREL_CUDA_CHECK(cudaMemcpy(d, t.ptr(), t.data.size() * sizeof(float), cudaMemcpyHostToDevice));
-    return static_cast<const float*>(d);
-  };
-  wq_b_ = put(ix.wq_b.w, "DSA indexer wq_b");
-  wk_ = put(ix.wk.w, "DSA indexer wk");
-  k_norm_w_ = put(ix.k_norm_w, "DSA indexer k_norm");
-  k_norm_b_ = put(ix.k_norm_b, "DSA indexer k_norm");
-  w_proj_ = put(ix.weights_proj.w, "DSA indexer weights_proj");
   if (cfg.use_rope) {
     rope_dim_ = cfg.qk_rope_head_dim;
     KESTREL_CHECK(rope_dim_ > 0 && rope_dim_ % 2 == 0 && rope_dim_ <= dim_ && rope_dim_ <= cuda::kMaxRopeDim,

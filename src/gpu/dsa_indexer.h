@@ -1,10 +1,10 @@
 // The DSA indexer of one MLA layer on the GPU: everything between the layer's normed input and the positions its
 // sparse attention reads. Keys: wk(x) -> LayerNorm(k_norm, eps 1e-6) -> [RoPE] -> Hadamard -> ue8m0 FP8 into the key
-// page (MlaAttention::write_cache). Selection: q = wq_b(qr) per head -> [RoPE] -> Hadamard -> per-head ue8m0 FP8
+// page (MlaCore::write_cache, src/cpu/mla_core.cpp). Selection: q = wq_b(qr) per head -> [RoPE] -> Hadamard -> per-head ue8m0 FP8
 // (codes and q_scale); w_j = weights_proj(x)_j * H_I^-1/2 * q_scale_j * D^-1/2; exact indexer scores over the cached keys; the
-// top index_topk positions, ascending (MlaAttention::select). [RoPE]: with the model's use_rope (deepseek_v32), NeoX
+// top index_topk positions, ascending (MlaCore::select). [RoPE]: with the model's use_rope (deepseek_v32), NeoX
 // RoPE on the first qk_rope_head_dim values of the key and of each query head, at the token's position, from the
-// inverse frequencies cpu::rope_inv_freq gives for the config (MlaAttention's table: the same call); fp32, the CPU's
+// inverse frequencies cpu::rope_inv_freq gives for the config (MlaCore's table: the same call); fp32, the CPU's
 // values up to a last-place difference of cos / sin (kernels/cuda/v32_glue.h).
 //
 // Numerics. The three projections and the LayerNorm are fp32 (kernels/cuda/linear_f32.h, ops.h) but not in the CPU's
@@ -42,7 +42,8 @@
 
 #include "gpu/device_arena.h"
 #include "kernels/cuda/dsa.h"
-#include "model/layers.h"
+#include "model/cache_formats.h"
+#include "model/config.h"
 
 namespace kestrel::gpu {
 
@@ -58,20 +59,24 @@ struct IndexerRequest {
 // layer because the layers run one after another on one stream.
 struct DsaIndexerWorkspace;
 
+// The indexer's weights in GPU memory, fp32 (the projections feed FP8 quantisation and a top-k, so they follow the
+// reference as closely as fp32 allows): wq_b [H_I * D, q_in], wk [D, hidden], k_norm weight and bias [D],
+// weights_proj [H_I, hidden].
+struct DsaIndexerWeights {
+  const float *wq_b = nullptr, *wk = nullptr, *k_norm_w = nullptr, *k_norm_b = nullptr, *weights_proj = nullptr;
+};
+
 class DsaIndexerGpu {
  public:
-  // Uploads the indexer's weights (fp32: the projections feed FP8 quantisation and a top-k, so they follow the
-  // reference as closely as fp32 allows) and takes workspaces for steps of up to max_tokens tokens, max_seqs
-  // requests and max_model_len context from the arena. keys: the cache's index-key format. Error (named) for what
-  // is not implemented: a head dimension that is not a power of two in [4, 256] ([32, 256] with MXFP4 keys; or
-  // H_I * D > 8192 off the D = 128, FP8-key fast path), a max_model_len past int32 or past what topk_decode holds on
-  // this device; and for weights whose shapes do not match cfg or a RoPE dimension larger than the head's.
-  DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, int64_t max_tokens, int max_seqs,
-                int64_t max_model_len, DeviceArena& arena);
-  // The same, sharing `workspace` (from workspace() of another layer's indexer of the same model) instead of taking
-  // a new one. Error when the workspace was made for another head count, head dimension or top-k.
-  DsaIndexerGpu(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys,
-                std::shared_ptr<DsaIndexerWorkspace> workspace, DeviceArena& arena);
+  // keys: the cache's index-key format. Error (named) for what is not implemented: a head dimension that is not a
+  // power of two in [4, 256] ([32, 256] with MXFP4 keys; or H_I * D > 8192 off the D = 128, FP8-key fast path), or a
+  // RoPE dimension larger than the head's.
+  DsaIndexerGpu(const DsaIndexerWeights& w, const ModelConfig& cfg, IndexKeyDtype keys, DeviceArena& arena);
+  // Takes the step workspace for steps of up to max_tokens tokens, max_seqs requests and max_model_len context from
+  // the arena (Error for a max_model_len past int32 or past what topk_decode holds on this device), or shares
+  // `workspace` (from workspace() of another layer's indexer of the same model). Before the first write_keys.
+  void make_workspace(int64_t max_tokens, int max_seqs, int64_t max_model_len, DeviceArena& arena);
+  void share_workspace(std::shared_ptr<DsaIndexerWorkspace> workspace);
   ~DsaIndexerGpu();
   DsaIndexerGpu(const DsaIndexerGpu&) = delete;
   DsaIndexerGpu& operator=(const DsaIndexerGpu&) = delete;
@@ -107,7 +112,6 @@ class DsaIndexerGpu {
   size_t workspace_bytes() const;  // of the shared workspace, counted once
 
  private:
-  void upload(const Indexer& ix, const ModelConfig& cfg, IndexKeyDtype keys, DeviceArena& arena);
   // Scores and top-k of `batch` requests of n_q rows each, starting at token row t0 and request index req0.
   void score_rows_of(int64_t t0, int batch, int n_q, int32_t req0, const int32_t* ctx_lens, int max_ctx,
                      const kestrel::cuda::Pages& key_pages, const kestrel::cuda::BlockTable& block_table,

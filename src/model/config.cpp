@@ -38,11 +38,17 @@ const char* architecture_class(Arch a) {
 }
 
 // Typed field access that names the field (with its parent object) on every failure.
+// The dotted names of every field the reader looked at (to tell an override key Kestrel understands from a typo).
+thread_local std::set<std::string>* g_read_keys = nullptr;
+
 class Fields {
  public:
   Fields(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
 
-  bool has(const char* k) const { return j_.contains(k) && !j_.at(k).is_null(); }
+  bool has(const char* k) const {
+    if (g_read_keys) g_read_keys->insert(where_ + k);
+    return j_.contains(k) && !j_.at(k).is_null();
+  }
   const json& raw(const char* k) const {
     if (!has(k)) fail("config.json: missing field '{}{}'", where_, k);
     return j_.at(k);
@@ -140,11 +146,13 @@ void parse_kimi_layers(const Fields& f, ModelConfig& c) {
   if (la.has("kda_gate_lower_bound")) c.kda_gate_lower_bound = static_cast<float>(la.number("kda_gate_lower_bound"));
   std::vector<int> seen(c.num_hidden_layers, 0);
   c.layer_kinds.assign(c.num_hidden_layers, LayerKind::kda);
+  // Layers listed beyond num_hidden_layers are not there (a config cut to fewer layers, e.g. by --hf-overrides),
+  // as vLLM reads the lists: layer by layer.
   auto mark = [&](const std::vector<int64_t>& list, const char* field, LayerKind kind) {
     for (int64_t one_based : list) {
-      if (one_based < 1 || one_based > c.num_hidden_layers)
-        fail("config.json: 'linear_attn_config.{}' lists layer {} (layers are 1-based, 1..{})", field, one_based,
-             c.num_hidden_layers);
+      if (one_based < 1)
+        fail("config.json: 'linear_attn_config.{}' lists layer {} (layers are 1-based)", field, one_based);
+      if (one_based > c.num_hidden_layers) continue;
       if (seen[one_based - 1]++)
         fail("config.json: layer {} is listed twice in 'linear_attn_config' ({})", one_based, field);
       c.layer_kinds[one_based - 1] = kind;
@@ -252,6 +260,15 @@ ModelConfig ModelConfig::from_json(const json& j) {
   if (c.rms_norm_eps <= 0) fail("config.json: field 'rms_norm_eps' must be positive");
   if (f.has("tie_word_embeddings")) c.tie_word_embeddings = f.boolean("tie_word_embeddings");
   if (f.has("max_position_embeddings")) c.max_position_embeddings = f.positive("max_position_embeddings");
+  for (const char* key : {"max_position_embeddings", "model_max_length", "max_seq_len", "seq_length",
+                          "max_sequence_length"})
+    if (f.has(key)) {
+      const int64_t v = f.positive(key);
+      if (c.context_length == 0 || v < c.context_length) {
+        c.context_length = v;
+        c.context_length_key = key;
+      }
+    }
   if (f.has("bos_token_id")) c.bos_token_id = f.integer("bos_token_id");
   if (f.has("eos_token_id")) c.eos_token_id = f.integer("eos_token_id");
   parse_mla(f, c);
@@ -306,7 +323,48 @@ ModelConfig ModelConfig::from_json(const json& j) {
   return c;
 }
 
-ModelConfig ModelConfig::load(const std::string& path) {
+namespace {
+
+// `base` with `over` merged in: objects key by key, anything else replaced. Keys `over` adds that `base` lacks are
+// collected (dotted) in `added`.
+void merge_into(json& base, const json& over, const std::string& where, std::vector<std::string>& added) {
+  for (auto it = over.begin(); it != over.end(); ++it) {
+    const std::string name = where + it.key();
+    if (!base.contains(it.key())) added.push_back(name);
+    if (it->is_object() && base.contains(it.key()) && base[it.key()].is_object())
+      merge_into(base[it.key()], *it, name + ".", added);
+    else
+      base[it.key()] = *it;
+  }
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_json(const json& j, const json& overrides) {
+  if (overrides.is_null() || (overrides.is_object() && overrides.empty())) return from_json(j);
+  if (!overrides.is_object()) fail("--hf-overrides must be a JSON object, got {}", overrides.dump());
+  if (!j.is_object()) fail("config.json: the top level must be a JSON object");
+  json merged = j;
+  std::vector<std::string> added;
+  merge_into(merged, overrides, "", added);
+  std::set<std::string> read;
+  g_read_keys = &read;
+  ModelConfig c;
+  try {
+    c = from_json(merged);
+  } catch (...) {
+    g_read_keys = nullptr;
+    throw;
+  }
+  g_read_keys = nullptr;
+  for (const std::string& k : added)
+    if (!read.count(k))
+      fail("--hf-overrides: '{}' is not a field of this config.json, nor one Kestrel reads for model_type '{}'", k,
+           arch_name(c.arch));
+  return c;
+}
+
+ModelConfig ModelConfig::load(const std::string& path, const json& overrides) {
   std::ifstream in(path);
   if (!in) fail("cannot open {}", path);
   json j;
@@ -315,7 +373,7 @@ ModelConfig ModelConfig::load(const std::string& path) {
   } catch (const json::parse_error& e) {
     fail("{}: not valid JSON: {}", path, e.what());
   }
-  return from_json(j);
+  return from_json(j, overrides);
 }
 
 json ModelConfig::to_json() const {

@@ -32,6 +32,11 @@ struct ModelConfig {
   float rms_norm_eps = 1e-6f;
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 0;
+  // The longest context the config allows: the least of max_position_embeddings, model_max_length, max_seq_len,
+  // seq_length and max_sequence_length where present (as vLLM derives it); 0 when none is. context_length_key names
+  // the key it came from.
+  int64_t context_length = 0;
+  std::string context_length_key;
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
 
@@ -85,7 +90,10 @@ struct ModelConfig {
   float softmax_scale() const;  // (qk_nope + qk_rope)^-1/2, times mscale^2 with YaRN
 
   static ModelConfig from_json(const nlohmann::json& j);  // Error naming the field
-  static ModelConfig load(const std::string& path);       // config.json file
+  // config.json with `overrides` merged in first (vLLM's --hf-overrides): objects merge key by key; a key that neither
+  // the file nor Kestrel's reader knows is an Error naming it.
+  static ModelConfig from_json(const nlohmann::json& j, const nlohmann::json& overrides);
+  static ModelConfig load(const std::string& path, const nlohmann::json& overrides = nlohmann::json::object());
   nlohmann::json to_json() const;                          // the HF config.json this config round-trips through
 };
 

@@ -1,5 +1,7 @@
 #include "model/make_model.h"
 
+#include "model/dummy_checkpoint.h"
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -499,12 +501,14 @@ const Preset& find_preset(Arch arch, const std::string& name) {
 }
 
 ModelConfig preset_config(const Preset& p) {
-  if (p.name == "tiny") return p.arch == Arch::deepseek_v32 ? tiny_deepseek() : tiny_kimi(p.arch);
-  if (p.name == "small" && p.arch == Arch::deepseek_v32) return small_deepseek();
-  if (p.name == "small") return p.arch == Arch::kimi_linear ? small_kimi_linear() : small_k3();
-  if (p.name == "k3.1-pro") return k31_pro();
-  if (p.name == "kimi-linear-48b") return kimi_linear_48b();
-  if (p.name == "deepseek-v3.2") return deepseek_v32_full();
+  // What the preset writes is what config.json says: the config read back from its JSON (derived fields included).
+  auto read_back = [](const ModelConfig& c) { return ModelConfig::from_json(c.to_json()); };
+  if (p.name == "tiny") return read_back(p.arch == Arch::deepseek_v32 ? tiny_deepseek() : tiny_kimi(p.arch));
+  if (p.name == "small" && p.arch == Arch::deepseek_v32) return read_back(small_deepseek());
+  if (p.name == "small") return read_back(p.arch == Arch::kimi_linear ? small_kimi_linear() : small_k3());
+  if (p.name == "k3.1-pro") return read_back(k31_pro());
+  if (p.name == "kimi-linear-48b") return read_back(kimi_linear_48b());
+  if (p.name == "deepseek-v3.2") return read_back(deepseek_v32_full());
   fail("preset '{}' has no configuration", p.name);
 }
 
@@ -540,16 +544,20 @@ ParameterCount count_parameters(const ModelConfig& c) {
   return n;
 }
 
-void make_model(const Preset& p, const std::string& out, uint64_t seed) {
-  const ModelConfig cfg = preset_config(p);
+void make_model(const Preset& p, const std::string& out, uint64_t seed, const MakeModelOptions& o) {
+  const ModelConfig cfg = ModelConfig::from_json(preset_config(p).to_json(), o.hf_overrides);
   std::filesystem::create_directories(out);
   {
     std::ofstream f(out + "/config.json");
     if (!f) fail("cannot write {}/config.json", out);
     f << cfg.to_json().dump(2) << "\n";
   }
+  if (o.tokenizer || p.has_weights) write_model_tokenizer(out, cfg);
+  if (o.dummy_weights) {
+    write_dummy_checkpoint(out, seed, int64_t{5} << 30);
+    return;
+  }
   if (!p.has_weights) return;
-  write_model_tokenizer(out, cfg);
   write_checkpoint(out, build_weights(cfg, seed), int64_t{2} << 30);
 }
 

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 
 namespace kestrel {
@@ -25,8 +27,16 @@ struct ParameterCount {
 };
 ParameterCount count_parameters(const ModelConfig& cfg);
 
+struct MakeModelOptions {
+  nlohmann::json hf_overrides = nlohmann::json::object();  // merged into the preset's config (--hf-overrides)
+  bool tokenizer = false;  // also for a config-only preset: the trained tokenizer and chat template
+  // The weights of --load-format dummy written as safetensors (any preset; one tensor at a time), in place of the
+  // preset's own (the tiny and small presets' weights come from build_weights).
+  bool dummy_weights = false;
+};
+
 // Writes the checkpoint directory `out` (created if needed). Weights are drawn from a counter-based generator
 // keyed by (seed, tensor name), so the same seed gives the same bytes on every machine.
-void make_model(const Preset& p, const std::string& out, uint64_t seed);
+void make_model(const Preset& p, const std::string& out, uint64_t seed, const MakeModelOptions& o = {});
 
 }  // namespace kestrel

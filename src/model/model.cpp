@@ -4,24 +4,53 @@
 #include <regex>
 
 #include "core/error.h"
-#include "core/formats.h"
-#include "kernels/cpu/basic.h"
 #include "model/weights.h"
 
 namespace kestrel {
 
-std::unique_ptr<Model> Model::load(const std::string& dir, const ModelOptions& opts) {
+namespace {
+constexpr float kLatentNormEps = 1e-6f;  // q_a_layernorm and kv_a_layernorm in every architecture (MODEL.md)
+}
+
+bool fp8_experts_stay_fp8(const ModelConfig& cfg) {
+  return cfg.hidden_size % 128 == 0 && cfg.moe_intermediate_size % 128 == 0 && cfg.weight_block_size == 128;
+}
+
+ModelConfig load_model_config(const std::string& dir, const nlohmann::json& overrides) {
+  return ModelConfig::load(dir + "/config.json", overrides);
+}
+
+std::unique_ptr<Model> Model::load(const std::string& dir, const ModelOptions& opts, std::unique_ptr<Backend> backend,
+                                   const LoadOptions& lo) {
+  KESTREL_CHECK(backend != nullptr, "Model::load needs a backend");
   auto m = std::unique_ptr<Model>(new Model());
-  m->cfg_ = ModelConfig::load(dir + "/config.json");
+  m->cfg_ = load_model_config(dir, lo.hf_overrides);
   m->opts_ = opts;
+  m->backend_ = std::move(backend);
   const ModelConfig& cfg = m->cfg_;
-  WeightLoader w(dir, cfg.weight_block_size, opts.bf16_activations, opts.keep_fp8_weights);
-  m->embed_ = w.get("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size});
+  Backend& b = *m->backend_;
+  if (lo.load_format != "auto" && lo.load_format != "safetensors" && lo.load_format != "dummy")
+    fail("--load-format '{}' is not one of auto, safetensors, dummy", lo.load_format);
+  const bool dummy = lo.load_format == "dummy";
+  std::unique_ptr<WeightLoader> loader =
+      dummy ? std::make_unique<WeightLoader>(cfg, lo.seed) : std::make_unique<WeightLoader>(dir, cfg);
+  WeightLoader& w = *loader;
+
+  b.configure(cfg, opts);
+  const Init embed_init{1.0f, 0.0f}, norm_init{0.05f, 1.0f};
+  m->embed_ = b.add_embedding(w.tensor("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size}, embed_init));
   for (int i = 0; i < cfg.num_hidden_layers; ++i)
-    m->layers_.push_back(cfg.arch == Arch::deepseek_v32 ? load_deepseek_v32_layer(cfg, w, i, opts)
-                                                        : load_kimi_layer(cfg, w, i, opts));
-  m->final_norm_ = w.get("model.norm.weight", {cfg.hidden_size});
-  if (!cfg.tie_word_embeddings) m->lm_head_ = w.get("lm_head.weight", {cfg.vocab_size, cfg.hidden_size});
+    m->layers_.push_back(cfg.arch == Arch::deepseek_v32 ? load_deepseek_v32_layer(cfg, w, b, i)
+                                                        : load_kimi_layer(cfg, w, b, i));
+  m->final_norm_ = b.add_vector(w.tensor("model.norm.weight", {cfg.hidden_size}, norm_init));
+  if (cfg.tie_word_embeddings) {
+    m->lm_head_ = b.tied_head(m->embed_);
+  } else {
+    const StoredLinear head = w.linear("lm_head", cfg.vocab_size, cfg.hidden_size, Quant::none);
+    m->lm_head_ = b.add_linear(std::span(&head, 1));
+  }
+  b.finalize_weights();
+  m->stored_bytes_ = w.handed_bytes();
   m->sequence_plan_ = plan_cache(m->cache_specs(), {.block_size = 64});
 
   // Multi-token-prediction layers (numbered from num_hidden_layers on) are not run; anything else left over is an
@@ -63,91 +92,106 @@ int Model::prefill_alignment() const {
   return opts_.kda_chunked_prefill && cfg_.num_layers_of(LayerKind::kda) > 0 ? 64 : 1;
 }
 
-void Model::forward(const StepBatch& batch, float* logits, MlaStepRunner* mla_runner) const {
-  const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
+// ---------------------------------------------------------------- the graph
+
+Act Model::mla_mixer(StepOps& b, const MlaLayerWeights& w, int layer, Act x) const {
+  const int64_t C = cfg_.kv_lora_rank, R = cfg_.qk_rope_head_dim, H = cfg_.num_attention_heads;
+  const int64_t dq = cfg_.qk_head_dim(), dn = cfg_.qk_nope_head_dim;
+  // The latent: c normed, k_pe rotated (deepseek_v32); a token attends to itself, so it is cached before attention.
+  const Act kv = b.linear(w.kv_a, x);
+  b.rms_norm_inplace(kv.slice(0, C), w.kv_a_norm, kLatentNormEps);
+  if (cfg_.use_rope) b.rope(kv, 1, C + R, C, static_cast<int>(R), RopeStyle::interleaved);
+  Act qr, q;
+  if (w.q_a) {
+    qr = b.rms_norm(b.linear(*w.q_a, x), w.q_a_norm, kLatentNormEps);
+    q = b.linear(*w.q_b, qr);
+  } else {
+    q = b.linear(*w.q_proj, x);
+  }
+  if (cfg_.use_rope) b.rope(q, static_cast<int>(H), dq, dn, static_cast<int>(R), RopeStyle::interleaved);
+  const Act o = b.mla_attention(w.attn, layer, x, qr, q, kv);
+  return b.linear(w.o_proj, o);
+}
+
+Act Model::kda_mixer(StepOps& b, const KdaLayerWeights& w, int layer, Act x) const {
+  const int64_t dk = cfg_.kda_head_dim;
+  const Act qkv = b.linear(w.qkv, x);
+  const Act fg = b.linear(w.fg_a, x);  // the rank-dk bottlenecks of the forget gate and the output gate
+  const Act f = b.linear(w.f_b, fg.slice(0, dk));
+  const Act beta = b.linear(w.b, x);
+  const Act g = b.linear(w.g_b, fg.slice(dk, dk));
+  const Act o = b.kda(w.core, layer, qkv, f, beta, g);
+  return b.linear(w.o, o);
+}
+
+Act Model::ffn(StepOps& b, const FfnWeights& w, Act x) const {
+  return b.linear(w.down, b.swiglu(b.linear(w.gate_up, x)));
+}
+
+void Model::graph(StepOps& b) const {
+  const float eps = cfg_.rms_norm_eps;
+  const Act h = b.embed(embed_);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const DecoderLayer& L = layers_[l];
+    const int layer = static_cast<int>(l);
+    b.begin_layer(layer);
+    Act x = b.rms_norm(h, L.input_norm, eps);
+    b.add(h, L.kda ? kda_mixer(b, *L.kda, layer, x) : mla_mixer(b, *L.mla, layer, x));
+    x = b.rms_norm(h, L.post_norm, eps);
+    if (L.moe) {
+      const Act y = b.moe(*L.moe, x);
+      if (L.shared) b.add(y, ffn(b, *L.shared, x));
+      b.add(h, y);
+    } else {
+      b.add(h, ffn(b, *L.dense, x));
+    }
+    b.end_layer(layer);
+  }
+  b.logits(h, final_norm_, lm_head_);
+}
+
+void Model::check_step(const StepBatch& batch) const {
   const CachePlan& plan = *batch.plan;
-  const auto& seqs = batch.seqs;
   KESTREL_CHECK(plan.page_offset.size() == layers_.size(), "cache plan of {} layers for a model of {}",
                 plan.page_offset.size(), layers_.size());
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const MlaAttention* mla = layers_[l].mla.get();
-    KESTREL_CHECK(mla ? plan.latent_bytes[l] == mla->latent_bytes() && plan.index_key_bytes[l] ==
-                                                                           mla->index_key_bytes()
-                      : plan.state_row[l] >= 0,
+  for (size_t l = 0; l < layers_.size(); ++l)
+    KESTREL_CHECK(layers_[l].mla ? plan.latent_bytes[l] == latent_entry_bytes(cfg_, opts_.latent_cache) &&
+                                       plan.index_key_bytes[l] == index_key_entry_bytes(cfg_, opts_.index_keys)
+                                 : plan.state_row[l] >= 0,
                   "the cache plan does not match layer {} of the model", l);
-  }
-  std::vector<int64_t> first(seqs.size() + 1, 0);
-  int64_t wanted = 0;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const SequenceStep& s = seqs[i];
+  for (const SequenceStep& s : batch.seqs) {
     const int64_t n = static_cast<int64_t>(s.ids.size()), end = s.start + n;
     KESTREL_CHECK(n > 0, "a step needs at least one token per sequence");
     KESTREL_CHECK(static_cast<int64_t>(s.slots.size()) == n, "{} slots for {} tokens", s.slots.size(), n);
     KESTREL_CHECK(plan.num_token_layers == 0 || static_cast<int64_t>(s.block_table.size()) * plan.block_size >= end,
                   "a block table of {} blocks cannot hold {} tokens", s.block_table.size(), end);
-    KESTREL_CHECK(static_cast<int>(s.state_rows.size()) == plan.state_rows_per_request, "{} state rows, the plan has {}",
-                  s.state_rows.size(), plan.state_rows_per_request);
+    KESTREL_CHECK(static_cast<int>(s.state_rows.size()) == plan.state_rows_per_request,
+                  "{} state rows, the plan has {}", s.state_rows.size(), plan.state_rows_per_request);
     KESTREL_CHECK(s.logits_from >= 0 && s.logits_from <= n, "logits_from {} outside [0, {}]", s.logits_from, n);
-    first[i + 1] = first[i] + n;
-    wanted += n - s.logits_from;
-  }
-  const int64_t N = first.back();
-  std::vector<float> h(static_cast<size_t>(N) * D), x(h.size()), y(h.size());
-  for (size_t i = 0; i < seqs.size(); ++i)
-    for (int64_t t = 0; t < first[i + 1] - first[i]; ++t) {
-      const int32_t id = seqs[i].ids[t];
-      KESTREL_CHECK(id >= 0 && id < V, "token id {} is outside the vocabulary (0..{})", id, V - 1);
-      std::copy_n(embed_.ptr() + int64_t{id} * D, D, h.data() + (first[i] + t) * D);
+    for (int32_t id : s.ids)
+      KESTREL_CHECK(id >= 0 && id < cfg_.vocab_size, "token id {} is outside the vocabulary (0..{})", id,
+                    cfg_.vocab_size - 1);
+    // As the KDA layers take them: ascending inside the step, on block boundaries.
+    for (size_t c = 0; c < s.checkpoints.size(); ++c) {
+      const int64_t p = s.checkpoints[c].position;
+      KESTREL_CHECK(p > s.start && p <= end && (c == 0 || p > s.checkpoints[c - 1].position),
+                    "KDA checkpoint at {} is not inside the step ({}, {}] in ascending order", p, s.start, end);
+      KESTREL_CHECK(static_cast<int>(s.checkpoints[c].rows.size()) == plan.state_rows_per_request,
+                    "a checkpoint of {} state rows, the plan has {}", s.checkpoints[c].rows.size(),
+                    plan.state_rows_per_request);
     }
-  auto state_at = [&](int32_t row, size_t l) {
-    return kda_state_view(cfg_, batch.pool + int64_t{row} * plan.row_bytes + plan.state_offset[l]);
-  };
-  auto pages_of = [&](const SequenceStep& s, size_t l) {
-    return TokenPages{batch.pool + plan.page_offset[l], plan.row_bytes,  plan.block_size,
-                      s.block_table.data(),             s.slots.data(), s.start};
-  };
-  std::vector<MlaStepRequest> mla_requests(seqs.size());
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const DecoderLayer& L = layers_[l];
-    cpu::rms_norm(h.data(), L.input_norm.ptr(), x.data(), N, D, cfg_.rms_norm_eps);
-    if (L.mla && mla_runner) {
-      for (size_t i = 0; i < seqs.size(); ++i) mla_requests[i] = {pages_of(seqs[i], l), first[i + 1] - first[i]};
-      mla_runner->run(*L.mla, x.data(), mla_requests, y.data());
-    } else {
-      for (size_t i = 0; i < seqs.size(); ++i) {
-        const SequenceStep& s = seqs[i];
-        const int64_t n = first[i + 1] - first[i];
-        const float* xi = x.data() + first[i] * D;
-        float* yi = y.data() + first[i] * D;
-        if (L.kda) {
-          const int g = plan.state_row[l];
-          std::vector<KdaCheckpoint> checkpoints;
-          for (const CheckpointTarget& c : s.checkpoints) checkpoints.push_back({c.position, state_at(c.rows[g], l)});
-          L.kda->forward(xi, n, s.start, state_at(s.state_rows[g], l), opts_.kda_chunked_prefill && s.prompt,
-                         checkpoints, plan.block_size, yi);
-        } else {
-          L.mla->forward(xi, n, pages_of(s, l), yi);
-        }
-      }
-    }
-    for (size_t i = 0; i < h.size(); ++i) h[i] += y[i];
-    cpu::rms_norm(h.data(), L.post_norm.ptr(), x.data(), N, D, cfg_.rms_norm_eps);
-    if (L.moe)
-      L.moe->forward(x.data(), N, y.data());
-    else
-      L.dense->forward(x.data(), N, y.data());
-    for (size_t i = 0; i < h.size(); ++i) h[i] += y[i];
   }
-  int64_t row = 0;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const int64_t from = first[i] + seqs[i].logits_from, rows = first[i + 1] - from;
-    cpu::rms_norm(h.data() + from * D, final_norm_.ptr(), x.data() + row * D, rows, D, cfg_.rms_norm_eps);
-    row += rows;
-  }
-  const Tensor& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
-  if (opts_.bf16_activations)
-    for (int64_t i = 0; i < wanted * D; ++i) x[i] = round_to_bf16(x[i]);
-  cpu::linear(x.data(), head.ptr(), logits, wanted, D, V);
+}
+
+void Model::forward(const StepBatch& batch, float* logits) const {
+  check_step(batch);
+  backend_->run_step(batch, [this](StepOps& ops) { graph(ops); }, StepResults{logits, {}, nullptr});
+}
+
+void Model::forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows,
+                            std::vector<SampledToken>& out) const {
+  check_step(batch);
+  backend_->run_step(batch, [this](StepOps& ops) { graph(ops); }, StepResults{nullptr, rows, &out});
 }
 
 SequenceState Model::new_sequence() const {

@@ -1,18 +1,25 @@
-// A loaded model: embedding, decoder layers (KDA or MLA mixer; dense or MoE FFN), final norm, LM head.
-// forward() runs the new tokens of a step against each request's rows of a packed cache (spec CACHE.md): the
-// layers read and write plain pages and states at the addresses the step names, and never see rows.
+// A model: its config, the handles of its weights (which a backend holds) and its forward pass, written once for
+// every backend (src/model/backend.h). forward() runs the new tokens of a step against each request's rows of a
+// packed cache (spec CACHE.md): the backend reads and writes the pages and states at the addresses the step names.
+// One graph per architecture family: model/kimi.cpp (kimi_linear, kimi_k3) and model/deepseek_v32.cpp name the
+// tensors; the decoder below is the same for all three.
 #pragma once
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
-#include <variant>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "cache/cache_plan.h"
+#include "model/backend.h"
+#include "model/cache_formats.h"
 #include "model/config.h"
-#include "model/layers.h"
 
 namespace kestrel {
+
+class MlaStepRunner;  // src/cpu/mla_core.h: the CPU backend's hook for running MLA attention over several ranks
 
 struct ModelOptions {
   LatentCacheDtype latent_cache = LatentCacheDtype::auto_fp32;
@@ -20,15 +27,24 @@ struct ModelOptions {
   // Prompt tokens run KDA in the chunked form, generated tokens in the recurrent one. false: the recurrence
   // everywhere (the exact-invariance mode: any split of a sequence gives the same bits).
   bool kda_chunked_prefill = true;
-  // The GPU backend's numerics, for testing it against this reference with a tight bound: every linear layer's
-  // input (and MLA's absorbed query and attention output, and the LM head's input) rounded to bf16 first, as the
-  // GPU's bf16 GEMMs take them; the MoE router and the DSA indexer stay fp32, as on the GPU. Off: plain fp32.
-  bool bf16_activations = false;
-  // For a checkpoint with FP8 block-scaled linear weights (WeightQuant::fp8_block): keep the codes and scales of
-  // the linears the GPU engine runs as bf16 GEMMs (attention projections, dense and shared-expert FFNs) next to
-  // their fp32 weights, so that the GPU streams them in FP8 at small batches (src/kernels/cuda/gemm_fp8.h). One
-  // byte per such weight more host memory; the CPU's numerics do not change.
-  bool keep_fp8_weights = false;
+  // The CPU backend computes with the GPU's numerics, for testing the CUDA backend against this reference with a
+  // tight bound: every linear layer's input rounded to bf16 first as the GPU's bf16 products take it, or quantized to
+  // FP8 in groups of 128 (kernels/cpu/fp8_linear.h) for a weight stored in FP8; MLA's absorbed query and attention
+  // output in bf16; the MoE router and the DSA indexer stay fp32, as on the GPU. Off: plain fp32.
+  bool gpu_numerics = false;
+};
+
+// How Model::load finds the weights.
+struct LoadOptions {
+  // "auto" / "safetensors": the checkpoint's safetensors files; "dummy": random weights of the checkpoint's shapes and
+  // stored dtypes, made by the backend from `seed` (only config.json is read).
+  std::string load_format = "auto";
+  // Merged into config.json before it is read (vLLM's --hf-overrides), e.g. {"num_hidden_layers": 4}. A key that
+  // config.json does not have is an error naming it.
+  nlohmann::json hf_overrides = nlohmann::json::object();
+  uint64_t seed = 0;
+  // Cap on the context length, when the config allows more (--max-model-len).
+  int64_t max_model_len = 0;
 };
 
 // A KDA checkpoint to take during a step: the states after the token at `position` - 1, into these state rows
@@ -50,90 +66,120 @@ struct SequenceStep {
   int64_t logits_from = 0;               // logits are wanted for new tokens [logits_from, ids.size())
 };
 
-// A step over the rows of one cache pool laid out by `plan`.
+// A step over the rows of one cache pool laid out by `plan` (in the backend's memory).
 struct StepBatch {
   uint8_t* pool = nullptr;
   const CachePlan* plan = nullptr;
   std::span<const SequenceStep> seqs;
+  // The CPU backend runs the MLA layers' attention through this runner when set (token-sharded prefill over
+  // simulated ranks, src/parallel); other backends refuse it.
+  MlaStepRunner* mla_runner = nullptr;
 };
 
 // One request's state outside any engine: its own rows (state rows first, then token rows in block order), laid
-// out by the model's own plan. What Model::forward(SequenceState&, ...) runs against.
+// out by the model's own plan. What Model::forward(SequenceState&, ...) runs against (on the CPU backend).
 struct SequenceState {
   int64_t num_tokens = 0;
   std::vector<uint8_t> rows;
 };
 
-// One request's part of an MLA layer's step: its pages (pages.pos0 = its cached positions) and its new tokens.
-struct MlaStepRequest {
-  TokenPages pages;
-  int64_t tokens = 0;
+// The weight handles of one decoder layer.
+struct MlaLayerWeights {
+  std::optional<LinearW> q_a, q_b, q_proj;  // q_a + q_b with q_lora_rank, else q_proj
+  VecW q_a_norm;
+  LinearW kv_a, o_proj;
+  VecW kv_a_norm;
+  MlaAttnW attn;
 };
-
-// Runs an MLA layer for all requests of a step at once, in place of MlaAttention::forward per request. The
-// token-sharded prefill of src/parallel implements it over W ranks; the model knows nothing of ranks.
-class MlaStepRunner {
- public:
-  virtual ~MlaStepRunner() = default;
-  // x: [N, hidden] normed input of the step's tokens, requests back to back in the order of `requests`;
-  // y: [N, hidden]. Must write and read the pages as MlaAttention::forward does.
-  virtual void run(const MlaAttention& layer, const float* x, std::span<const MlaStepRequest> requests,
-                   float* y) = 0;
+struct KdaLayerWeights {
+  LinearW qkv;   // [q ; k ; v]
+  LinearW fg_a;  // [f_a ; g_a]
+  LinearW f_b, b, g_b, o;
+  KdaW core;
 };
-
+struct FfnWeights {
+  LinearW gate_up;  // [gate ; up]
+  LinearW down;
+};
 struct DecoderLayer {
-  Tensor input_norm, post_norm;
-  std::unique_ptr<MlaAttention> mla;  // exactly one of mla / kda
-  std::unique_ptr<KdaMixer> kda;
-  std::unique_ptr<FeedForward> dense;  // exactly one of dense / moe
-  std::unique_ptr<MoE> moe;
+  VecW input_norm, post_norm;
+  std::optional<MlaLayerWeights> mla;  // exactly one of mla / kda
+  std::optional<KdaLayerWeights> kda;
+  std::optional<FfnWeights> dense;     // exactly one of dense / moe (which may add shared experts)
+  std::optional<MoeW> moe;
+  std::optional<FfnWeights> shared;
 };
+
+class WeightLoader;
 
 class Model {
-  friend struct GpuWeightAccess;
-
  public:
-  // Loads config.json and the safetensors checkpoint of `dir`; every tensor must be consumed (tensors of extra
-  // MTP layers beyond num_hidden_layers are skipped), otherwise an Error lists the unexpected ones.
-  static std::unique_ptr<Model> load(const std::string& dir, const ModelOptions& opts = {});
+  // Reads config.json of `dir` (with lo.hf_overrides merged in) and the weights into `backend`: the safetensors
+  // checkpoint, every tensor of which must be consumed (tensors of MTP layers beyond num_hidden_layers are skipped;
+  // anything else left over is an Error listing them), or dummy weights.
+  static std::unique_ptr<Model> load(const std::string& dir, const ModelOptions& opts,
+                                     std::unique_ptr<Backend> backend, const LoadOptions& lo = {});
 
   const ModelConfig& config() const { return cfg_; }
   const ModelOptions& options() const { return opts_; }
+  Backend& backend() const { return *backend_; }
+  // Bytes of the weights as the checkpoint stores them (for dummy weights: as a checkpoint of them would).
+  size_t stored_weight_bytes() const { return stored_bytes_; }
   // What each layer keeps in the cache, per GPU, with `tp` GPUs sharing the KDA heads.
   std::vector<LayerCacheSpec> cache_specs(int tp = 1) const;
   // Prompt positions at which a prefill may be cut (and resumed) without changing a bit: the KDA chunk (64) when
   // prompts run KDA chunked, else 1.
   int prefill_alignment() const;
 
-  // Runs one step of several requests together: every token through the dense parts at once, each request's
-  // tokens through its own attention pages and KDA states. logits: [sum of wanted positions, vocab], requests in
-  // order. The result for a request does not depend on the others in the batch. With an `mla` runner, the MLA
-  // layers run through it.
-  void forward(const StepBatch& batch, float* logits, MlaStepRunner* mla = nullptr) const;
+  // Runs one step of several requests together. logits: [sum of wanted positions, vocab], requests in order. The
+  // result for a request does not depend on the others in the batch (on the CPU backend bit for bit).
+  void forward(const StepBatch& batch, float* logits) const;
+  // The same step with the backend choosing each wanted row's token (Backend::samples_rows).
+  void forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out) const;
+  // The graph of one step over a backend's ops: what forward() hands the backend.
+  void graph(StepOps& ops) const;
 
   SequenceState new_sequence() const;
   // Feeds T tokens at positions seq.num_tokens...; a call with T > 1 is a prompt, a single token a generated one.
   // Writes logits [T, vocab] for every position, or only for the last one (logits [1, vocab]) when last_only.
   void forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only = false) const;
 
-  std::vector<DecoderLayer>& layers() { return layers_; }
   const std::vector<DecoderLayer>& layers() const { return layers_; }
 
  private:
+  Act mla_mixer(StepOps& b, const MlaLayerWeights& w, int layer, Act x) const;
+  Act kda_mixer(StepOps& b, const KdaLayerWeights& w, int layer, Act x) const;
+  Act ffn(StepOps& b, const FfnWeights& w, Act x) const;
+  // Error naming what is wrong with a step (the plan against the layers, each sequence's tables and tokens).
+  void check_step(const StepBatch& batch) const;
+
   ModelConfig cfg_;
   ModelOptions opts_;
+  std::unique_ptr<Backend> backend_;
   CachePlan sequence_plan_;  // the layout of a SequenceState
-  Tensor embed_, final_norm_, lm_head_;
+  size_t stored_bytes_ = 0;
+  EmbeddingW embed_;
+  LinearW lm_head_;
+  VecW final_norm_;
   std::vector<DecoderLayer> layers_;
 };
 
 // What each layer of `cfg` keeps in the cache in the formats of `opts`, per GPU with `tp` GPUs sharing KDA heads.
 std::vector<LayerCacheSpec> model_cache_specs(const ModelConfig& cfg, const ModelOptions& opts, int tp);
 
-// One graph builder per architecture family: which tensors make up layer `layer`.
-// model/kimi.cpp serves kimi_linear and kimi_k3 (kimi_k3 is kimi_linear plus the DSA indexer, which the MLA module
-// adds when the config has one); model/deepseek_v32.cpp serves deepseek_v32.
-DecoderLayer load_kimi_layer(const ModelConfig& cfg, WeightLoader& w, int layer, const ModelOptions& opts);
-DecoderLayer load_deepseek_v32_layer(const ModelConfig& cfg, WeightLoader& w, int layer, const ModelOptions& opts);
+// config.json of `dir` with `overrides` merged in (each key must exist in the file; nested objects merge key by key).
+ModelConfig load_model_config(const std::string& dir, const nlohmann::json& overrides = nlohmann::json::object());
+
+// One graph builder per architecture family: the weights of layer `layer`.
+// model/kimi.cpp serves kimi_linear and kimi_k3 (kimi_k3 is kimi_linear plus the DSA indexer, which the MLA weights
+// gain when the config has one); model/deepseek_v32.cpp serves deepseek_v32.
+DecoderLayer load_kimi_layer(const ModelConfig& cfg, WeightLoader& w, Backend& b, int layer);
+DecoderLayer load_deepseek_v32_layer(const ModelConfig& cfg, WeightLoader& w, Backend& b, int layer);
+// Shared by both: an MLA layer's weights under `prefix` (self_attn.), a SwiGLU FFN's, a MoE's.
+MlaLayerWeights load_mla_weights(const ModelConfig& cfg, WeightLoader& w, Backend& b, const std::string& prefix);
+FfnWeights load_ffn_weights(WeightLoader& w, Backend& b, const std::string& prefix, const char* const names[3],
+                            int64_t hidden, int64_t width);
+MoeW load_moe_weights(const ModelConfig& cfg, WeightLoader& w, Backend& b, const std::string& prefix,
+                      const char* const expert_names[3]);
 
 }  // namespace kestrel

@@ -35,32 +35,6 @@ constexpr const char* kMetadataKey = "__metadata__";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 constexpr const char* kSingleFile = "model.safetensors";
 
-struct DTypeInfo {
-  DType dtype;
-  const char* name;
-  size_t size;
-};
-constexpr DTypeInfo kDTypes[] = {
-    {DType::F64, "F64", 8},   {DType::F32, "F32", 4},         {DType::F16, "F16", 2},
-    {DType::BF16, "BF16", 2}, {DType::F8_E4M3, "F8_E4M3", 1}, {DType::I64, "I64", 8},
-    {DType::I32, "I32", 4},   {DType::I16, "I16", 2},         {DType::I8, "I8", 1},
-    {DType::U64, "U64", 8},   {DType::U32, "U32", 4},         {DType::U16, "U16", 2},
-    {DType::U8, "U8", 1},     {DType::BOOL, "BOOL", 1},       {DType::F8_E5M2, "F8_E5M2", 1},
-    {DType::F8_E8M0, "F8_E8M0", 1},  // MXFP4 block scales in some checkpoints
-};
-
-const DTypeInfo& dtype_info(DType d) {
-  for (const auto& info : kDTypes)
-    if (info.dtype == d) return info;
-  fail("invalid DType value {}", static_cast<int>(d));
-}
-
-std::optional<DType> find_dtype(const std::string& s) {
-  for (const auto& info : kDTypes)
-    if (s == info.name) return info.dtype;
-  return std::nullopt;
-}
-
 // numel * element size, or nullopt when either product overflows int64 (sizes must also fit size_t and
 // a signed offset, hence int64 rather than uint64).
 std::optional<int64_t> checked_nbytes(const std::vector<int64_t>& shape, DType dtype) {
@@ -124,15 +98,6 @@ void write_le64(uint8_t* p, uint64_t v) {
 }
 
 }  // namespace
-
-const char* dtype_name(DType d) { return dtype_info(d).name; }
-
-size_t dtype_size(DType d) { return dtype_info(d).size; }
-
-DType parse_dtype(const std::string& s) {
-  if (auto d = find_dtype(s)) return *d;
-  fail("unknown dtype '{}'", s);
-}
 
 int64_t TensorView::numel() const {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
@@ -370,6 +335,18 @@ const TensorView& Checkpoint::get(const std::string& name) const {
   return it->second->get(name);
 }
 
+const SafetensorsFile& Checkpoint::file_of(const std::string& name) const {
+  const auto it = where_.find(name);
+  if (it == where_.end()) fail("checkpoint has no tensor '{}'", name);
+  return *it->second;
+}
+
+size_t Checkpoint::data_bytes() const {
+  size_t n = 0;
+  for (const auto& [name, file] : where_) n += file->get(name).bytes.size();
+  return n;
+}
+
 std::vector<std::string> Checkpoint::names() const {
   std::vector<std::string> out;
   out.reserve(where_.size());
@@ -456,6 +433,77 @@ void write_checkpoint(const std::string& dir, const std::map<std::string, Tensor
   out << index.dump(2) << '\n';
   out.close();
   KESTREL_CHECK(!out.fail(), "{}: write failed", index_path.string());
+}
+
+}  // namespace kestrel
+
+namespace kestrel {
+
+void write_checkpoint_streamed(const std::string& dir, const std::vector<TensorSpec>& tensors,
+                               const std::function<void(size_t, std::span<uint8_t>)>& fill, int64_t max_shard_bytes) {
+  KESTREL_CHECK(max_shard_bytes > 0, "write_checkpoint '{}': max_shard_bytes {} must be positive", dir,
+                max_shard_bytes);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  KESTREL_CHECK(!ec, "write_checkpoint '{}': cannot create the directory: {}", dir, ec.message());
+  const fs::path root(dir);
+  std::vector<uint64_t> bytes(tensors.size());
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t shard_bytes = 0, total_bytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    KESTREL_CHECK(t.name != kMetadataKey, "{}: '{}' is reserved and cannot name a tensor", dir, t.name);
+    const auto nbytes = checked_nbytes(t.shape, t.dtype);
+    KESTREL_CHECK(nbytes.has_value(), "{}: tensor '{}' has an invalid shape {}", dir, t.name, shape_str(t.shape));
+    bytes[i] = static_cast<uint64_t>(*nbytes);
+    if (!shards.back().empty() && shard_bytes + bytes[i] > static_cast<uint64_t>(max_shard_bytes)) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(i);
+    shard_bytes += bytes[i];
+    total_bytes += bytes[i];
+  }
+  json weight_map = json::object();
+  std::vector<uint8_t> buf;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string file = shards.size() == 1 ? std::string(kSingleFile)
+                                                : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+    json header = json::object();
+    uint64_t offset = 0;
+    for (size_t i : shards[s]) {
+      header[tensors[i].name] = {{"dtype", dtype_name(tensors[i].dtype)},
+                                 {"shape", tensors[i].shape},
+                                 {"data_offsets", json::array({offset, offset + bytes[i]})}};
+      offset += bytes[i];
+      weight_map[tensors[i].name] = file;
+    }
+    header[kMetadataKey] = {{"format", "pt"}};
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+    uint8_t len[8];
+    write_le64(len, text.size());
+    const std::string path = (root / file).string();
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    KESTREL_CHECK(out.is_open(), "{}: cannot create: {}", path, std::strerror(errno));
+    out.write(reinterpret_cast<const char*>(len), sizeof len);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (size_t i : shards[s]) {
+      buf.resize(bytes[i]);
+      fill(i, buf);
+      out.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
+    }
+    out.close();
+    KESTREL_CHECK(!out.fail(), "{}: write failed", path);
+  }
+  if (shards.size() == 1) {
+    fs::remove(root / kIndexFile, ec);
+    return;
+  }
+  const json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+  std::ofstream out(root / kIndexFile);
+  KESTREL_CHECK(out.is_open(), "{}: cannot create: {}", (root / kIndexFile).string(), std::strerror(errno));
+  out << index.dump(2) << '\n';
 }
 
 }  // namespace kestrel

@@ -2,18 +2,16 @@
 // sharded view over model.safetensors.index.json, and a writer (used by make-model and the tests).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
-namespace kestrel {
+#include "core/dtype.h"
 
-enum class DType { F32, F16, BF16, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8, I32, I64, F64, BOOL, U16, I16, U32, U64 };
-const char* dtype_name(DType d);          // the safetensors spelling: "F32", "BF16", "F8_E4M3", ...
-size_t dtype_size(DType d);               // bytes per element
-DType parse_dtype(const std::string& s);  // throws Error naming the unknown dtype
+namespace kestrel {
 
 struct TensorView {
   std::string name;
@@ -40,6 +38,8 @@ class SafetensorsFile {
   const TensorView& get(const std::string& name) const;  // throws Error naming the tensor if absent
   std::vector<std::string> names() const;                // sorted
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Where a tensor of this file starts in it (its bytes' offset from the start of the file).
+  int64_t file_offset(const TensorView& t) const { return t.bytes.data() - map_; }
 
  private:
   std::string path_;
@@ -58,6 +58,9 @@ class Checkpoint {
   bool has(const std::string& name) const;
   const TensorView& get(const std::string& name) const;  // throws Error naming the tensor if absent
   std::vector<std::string> names() const;                // sorted
+  const SafetensorsFile& file_of(const std::string& name) const;  // the shard holding the tensor
+  // Tensor data of every file, in bytes.
+  size_t data_bytes() const;
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
@@ -76,5 +79,16 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
 // model.safetensors.index.json; with one shard it writes model.safetensors and no index.
 void write_checkpoint(const std::string& dir, const std::map<std::string, TensorData>& tensors,
                       int64_t max_shard_bytes);
+
+// The same for tensors made one at a time, for checkpoints larger than memory: `tensors` (names, dtypes, shapes) in
+// the order their bytes are made; fill(i, out) writes tensor i's bytes into out (its size). Shards as above, in the
+// given order.
+struct TensorSpec {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+void write_checkpoint_streamed(const std::string& dir, const std::vector<TensorSpec>& tensors,
+                               const std::function<void(size_t, std::span<uint8_t>)>& fill, int64_t max_shard_bytes);
 
 }  // namespace kestrel

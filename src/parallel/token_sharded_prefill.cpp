@@ -4,14 +4,13 @@
 
 namespace kestrel::parallel {
 
-TokenShardedMla::TokenShardedMla(Communicator& comm, const TokenShardPlan& plan, OutputProjection output)
-    : comm_(comm), plan_(plan), output_(output) {
+TokenShardedMla::TokenShardedMla(Communicator& comm, const TokenShardPlan& plan) : comm_(comm), plan_(plan) {
   KESTREL_CHECK(comm.size() == plan.world(), "token-sharded MLA: plan for {} ranks used by {} ranks", plan.world(),
                 comm.size());
 }
 
-void TokenShardedMla::run(const MlaAttention& layer, const float* x, std::span<const MlaStepRequest> requests,
-                          float* y) {
+void TokenShardedMla::run(const MlaCore& layer, const float* x, const float* qr, const float* q, const float* kv,
+                          std::span<const MlaStepRequest> requests, float* o) {
   const ModelConfig& cfg = layer.config();
   const int W = comm_.size(), me = comm_.rank();
   const int H = cfg.num_attention_heads, dq = cfg.qk_head_dim(), dv = cfg.v_head_dim;
@@ -19,7 +18,7 @@ void TokenShardedMla::run(const MlaAttention& layer, const float* x, std::span<c
   const int64_t R = static_cast<int64_t>(requests.size());
 
   std::vector<int64_t> first(R + 1, 0);
-  for (int64_t q = 0; q < R; ++q) first[q + 1] = first[q] + requests[q].tokens;
+  for (int64_t r = 0; r < R; ++r) first[r + 1] = first[r] + requests[r].tokens;
   const int64_t N = first.back();
   KESTREL_CHECK(N == plan_.step_tokens(), "token-sharded MLA: a step of {} tokens under a plan of {}", N,
                 plan_.step_tokens());
@@ -29,17 +28,16 @@ void TokenShardedMla::run(const MlaAttention& layer, const float* x, std::span<c
                                        p.first_position - requests[p.request].pages.pos0,
                   "token-sharded MLA: the step's requests are not those of the plan");
 
-  // Replicated: every rank writes the step's cache entries into its own copy and computes the query latent of every
-  // token. Split by head: the queries of this rank's heads.
+  // Replicated: every rank writes the step's cache entries into its own copy. The queries of this rank's heads go to
+  // the ranks that own their tokens.
+  const int64_t C = cfg.kv_lora_rank, Rd = cfg.qk_rope_head_dim;
+  for (int64_t r = 0; r < R; ++r)
+    layer.write_cache(x + first[r] * D, kv + first[r] * (C + Rd), requests[r].tokens, requests[r].pages);
   const HeadRange heads = head_range(H, W, me);
   const int64_t q_row = int64_t{heads.count()} * dq;
-  std::vector<float> q_heads(static_cast<size_t>(N * q_row)), qr(static_cast<size_t>(N * qlr));
-  for (int64_t q = 0; q < R; ++q) {
-    const MlaStepRequest& req = requests[q];
-    layer.write_cache(x + first[q] * D, req.tokens, req.pages);
-    layer.project_queries(x + first[q] * D, req.tokens, req.pages.pos0, heads.begin, heads.end,
-                          q_heads.data() + first[q] * q_row, qr.data() + first[q] * qlr);
-  }
+  std::vector<float> q_heads(static_cast<size_t>(N * q_row));
+  for (int64_t t = 0; t < N; ++t)
+    std::copy_n(q + t * H * dq + int64_t{heads.begin} * dq, q_row, q_heads.data() + t * q_row);
 
   const std::vector<float> q_own = head_to_token_sharded(comm_, plan_, q_heads, H, dq);
 
@@ -56,47 +54,39 @@ void TokenShardedMla::run(const MlaAttention& layer, const float* x, std::span<c
   std::vector<Query> queries;
   int64_t own = 0;
   for (size_t i = 0; i < pieces.size();) {
-    const int64_t q = pieces[i].request;
+    const int64_t req = pieces[i].request;
     queries.clear();
     int64_t end = 0;
-    for (; i < pieces.size() && pieces[i].request == q; ++i)
+    for (; i < pieces.size() && pieces[i].request == req; ++i)
       for (int64_t u = 0; u < pieces[i].count; ++u) {
         queries.push_back({own++, pieces[i].first_token + u, pieces[i].first_position + u});
         end = std::max(end, pieces[i].first_position + u + 1);
       }
     if (queries.empty()) continue;
-    layer.read_context(requests[q].pages, end, ctx);
+    layer.read_context(requests[req].pages, end, ctx);
     const int64_t n = static_cast<int64_t>(queries.size());
 #pragma omp parallel for schedule(dynamic)
     for (int64_t k = 0; k < n; ++k) {
       const Query& qu = queries[k];
-      layer.attend(q_own.data() + qu.own * H * dq, x + qu.step_token * D, qr.data() + qu.step_token * qlr,
+      layer.attend(q_own.data() + qu.own * H * dq, x + qu.step_token * D, qr ? qr + qu.step_token * qlr : nullptr,
                    qu.position, ctx, o_own.data() + qu.own * H * dv);
     }
-    work.query_tokens[q] += n;
-    for (const Query& qu : queries) work.causal_work[q] += qu.position + 1;
+    work.query_tokens[req] += n;
+    for (const Query& qu : queries) work.causal_work[req] += qu.position + 1;
   }
   work_.push_back(std::move(work));
 
   const std::vector<float> o_heads = token_to_head_sharded(comm_, plan_, o_own, H, dv);
 
-  if (output_ == OutputProjection::head_split) {
-    layer.project_output(o_heads.data(), N, heads.begin, heads.end, y);
-    comm_.all_reduce_sum(y, static_cast<size_t>(N * D));
-    return;
-  }
   std::vector<size_t> bytes(W);
   for (int r = 0; r < W; ++r) bytes[r] = static_cast<size_t>(N) * head_range(H, W, r).count() * dv * sizeof(float);
   std::vector<float> gathered(static_cast<size_t>(N) * H * dv);
   comm_.all_gather_v(o_heads.data(), o_heads.size() * sizeof(float), gathered.data(), bytes);
-  std::vector<float> o(gathered.size());
   auto from = gathered.begin();
   for (int r = 0; r < W; ++r) {
     const HeadRange hr = head_range(H, W, r);
-    for (int64_t t = 0; t < N; ++t, from += hr.count() * dv)
-      std::copy_n(from, hr.count() * dv, o.begin() + (t * H + hr.begin) * dv);
+    for (int64_t t = 0; t < N; ++t, from += hr.count() * dv) std::copy_n(from, hr.count() * dv, o + (t * H + hr.begin) * dv);
   }
-  layer.project_output(o.data(), N, 0, H, y);
 }
 
 TokenShardPlan token_shard_plan(const StepBatch& batch, int world) {
@@ -106,10 +96,12 @@ TokenShardPlan token_shard_plan(const StepBatch& batch, int world) {
 }
 
 std::vector<TokenShardWork> token_sharded_forward(Communicator& comm, const Model& model, const StepBatch& batch,
-                                                  float* logits, OutputProjection output) {
+                                                  float* logits) {
   const TokenShardPlan plan = token_shard_plan(batch, comm.size());
-  TokenShardedMla runner(comm, plan, output);
-  model.forward(batch, logits, &runner);
+  TokenShardedMla runner(comm, plan);
+  StepBatch sharded = batch;
+  sharded.mla_runner = &runner;
+  model.forward(sharded, logits);
   return runner.work();
 }
 

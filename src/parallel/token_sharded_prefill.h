@@ -1,33 +1,27 @@
-// Token-sharded prefill of the MLA layers (PARALLEL.md "Token-sharded prefill") over the ranks of a Communicator,
-// inside the model's own forward pass. What runs where, per MLA layer, on each of the W ranks:
-// - replicated (every rank, every step token): the latent and index-key entries written to the rank's copy of the
-//   cache (the cache is replicated, as under TP) and the query latent qr (q_a_proj + norm);
-// - split by head: the query projection (q_b_proj rows of the rank's heads, RoPE);
-// - first all-to-all: [step tokens, own heads] -> [own tokens, all heads];
+// Token-sharded prefill of the MLA layers' attention (PARALLEL.md "Token-sharded prefill") over the ranks of a
+// Communicator, inside the model's own forward pass on the CPU backend (StepBatch::mla_runner). What runs where, per
+// MLA layer, on each of the W ranks:
+// - replicated (every rank, every step token): the projections (the model's graph), and the latent and index-key
+//   entries written to the rank's copy of the cache (the cache is replicated, as under TP);
+// - first all-to-all: the queries of the rank's heads, [step tokens, own heads] -> [own tokens, all heads];
 // - split by token (the 2W-piece causal split): the indexer's queries, scores and top-k, sparse attention in the
 //   absorbed form, W_UV;
-// - second all-to-all: [own tokens, all heads] -> [step tokens, own heads];
-// - the output projection, replicated or split by head (OutputProjection).
-// Everything outside the MLA layers (embedding, KDA, FFN/MoE, norms, LM head) is the model's forward, replicated.
+// - second all-to-all: [own tokens, all heads] -> [step tokens, own heads], then an all-gather of the heads, so that
+//   every rank applies o_proj (the model's graph) to the same attention output: the step equals the unsharded step
+//   bit for bit.
+// Everything outside the MLA layers' attention (embedding, projections, KDA, FFN/MoE, norms, LM head) is the model's
+// forward, replicated. This is the oracle of the real multi-GPU engine, which also splits the projections by head.
 #pragma once
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "cpu/mla_core.h"
 #include "model/model.h"
 #include "parallel/communicator.h"
 #include "parallel/prefill_plan.h"
 
 namespace kestrel::parallel {
-
-enum class OutputProjection {
-  // The head-sharded outputs are all-gathered and every rank applies all of o_proj: each output element is the
-  // same dot product as in the unsharded layer, so the step equals the unsharded step bit for bit.
-  replicated,
-  // Each rank applies the o_proj columns of its heads and the partial results are summed with all_reduce_sum
-  // (tensor parallelism): equal to the unsharded layer up to fp32 rounding of the split sums.
-  head_split,
-};
 
 // What one rank's attention core ran in one MLA layer, per request of the step.
 struct TokenShardWork {
@@ -39,26 +33,25 @@ struct TokenShardWork {
 // those of the plan, in order.
 class TokenShardedMla : public MlaStepRunner {
  public:
-  TokenShardedMla(Communicator& comm, const TokenShardPlan& plan, OutputProjection output);
-  void run(const MlaAttention& layer, const float* x, std::span<const MlaStepRequest> requests, float* y) override;
+  TokenShardedMla(Communicator& comm, const TokenShardPlan& plan);
+  void run(const MlaCore& core, const float* x, const float* qr, const float* q, const float* kv,
+           std::span<const MlaStepRequest> requests, float* o) override;
   // One entry per run() call (per MLA layer), in call order.
   const std::vector<TokenShardWork>& work() const { return work_; }
 
  private:
   Communicator& comm_;
   const TokenShardPlan& plan_;
-  OutputProjection output_;
   std::vector<TokenShardWork> work_;
 };
 
 // The plan of a step: one PrefillRequest (start, tokens) per sequence.
 TokenShardPlan token_shard_plan(const StepBatch& batch, int world);
 
-// Model::forward of one step on this rank with the MLA layers token-sharded over comm. Every rank passes the same
-// step (token ids, block tables, slots, state rows) over its own copy of the cache pool, and gets the same logits.
-// Returns the work of this rank's attention core, one entry per MLA layer.
+// Model::forward of one step on this rank with the MLA layers' attention token-sharded over comm (a model on the CPU
+// backend). Every rank passes the same step (token ids, block tables, slots, state rows) over its own copy of the
+// cache pool, and gets the same logits. Returns the work of this rank's attention core, one entry per MLA layer.
 std::vector<TokenShardWork> token_sharded_forward(Communicator& comm, const Model& model, const StepBatch& batch,
-                                                  float* logits,
-                                                  OutputProjection output = OutputProjection::replicated);
+                                                  float* logits);
 
 }  // namespace kestrel::parallel

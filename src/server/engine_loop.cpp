@@ -1,5 +1,6 @@
 #include "server/engine_loop.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -93,6 +94,66 @@ void EngineLoop::abort(const std::shared_ptr<RequestStream>& r) {
     aborts_.push_back(r);
   }
   wake_.notify_one();
+}
+
+void EngineLoop::pause(PauseMode mode, bool clear_cache, std::function<void()> settled) {
+  {
+    std::lock_guard lock(mu_);
+    pause_requested_ = paused_ = true;
+    pause_settled_ = false;
+    pause_mode_ = mode;
+    clear_cache_ = clear_cache && mode != PauseMode::keep;
+    if (settled) pause_waiters_.push_back(std::move(settled));
+  }
+  wake_.notify_one();
+}
+
+void EngineLoop::resume() {
+  std::vector<std::function<void()>> waiters;
+  {
+    std::lock_guard lock(mu_);
+    paused_ = pause_requested_ = false;
+    pause_settled_ = true;  // a pause undone before it settled has nothing left to wait for
+    waiters.swap(pause_waiters_);
+  }
+  wake_.notify_one();
+  for (auto& w : waiters) w();
+}
+
+bool EngineLoop::paused() const {
+  std::lock_guard lock(mu_);
+  return paused_;
+}
+
+bool EngineLoop::pause_settled() const {
+  std::lock_guard lock(mu_);
+  return pause_settled_;
+}
+
+void EngineLoop::apply_pause() {
+  bool abort_all = false, clear = false;
+  {
+    std::lock_guard lock(mu_);
+    if (!paused_ || pause_settled_) return;
+    abort_all = pause_requested_ && pause_mode_ == PauseMode::abort;
+    pause_requested_ = false;
+    const bool drained = pause_mode_ == PauseMode::keep || !engine_->has_unfinished() || abort_all;
+    if (!drained) return;
+    clear = clear_cache_;
+  }
+  if (abort_all) {
+    for (auto& [id, r] : live_) endings_.push_back({r, engine_->abort(id), std::nullopt, 0, now_seconds()});
+    live_.clear();
+  }
+  if (clear) engine_->reset_prefix_cache();
+  std::vector<std::function<void()>> waiters;
+  {
+    std::lock_guard lock(mu_);
+    if (!paused_) return;  // resumed meanwhile
+    pause_settled_ = true;
+    waiters.swap(pause_waiters_);
+  }
+  for (auto& w : waiters) w();
 }
 
 EngineSnapshot EngineLoop::snapshot() const {
@@ -231,11 +292,23 @@ void EngineLoop::run() {
     while (true) {
       {
         std::unique_lock lock(mu_);
-        if (!stopping_ && submissions_.empty() && aborts_.empty() && !engine_->has_unfinished())
-          wake_.wait(lock, [&] { return stopping_ || !submissions_.empty() || !aborts_.empty(); });
-        subs.swap(submissions_);
+        // Paused, submissions stay queued, and with mode keep nothing steps.
+        const auto work = [&] {
+          const bool steps = engine_->has_unfinished() && !(paused_ && pause_mode_ == PauseMode::keep);
+          return stopping_ || !aborts_.empty() || pause_requested_ || (paused_ && !pause_settled_) || steps ||
+                 (!paused_ && !submissions_.empty());
+        };
+        if (!work()) wake_.wait(lock, work);
+        if (!paused_) subs.swap(submissions_);
         aborts.swap(aborts_);
+        // An abort of a request still queued ends it here: the engine never saw it.
+        for (auto& r : aborts)
+          if (const auto it = std::find(submissions_.begin(), submissions_.end(), r); it != submissions_.end()) {
+            endings_.push_back({r, std::nullopt, std::nullopt, 0, now_seconds()});
+            submissions_.erase(it);
+          }
       }
+      apply_pause();
       admit(subs);
       for (auto& r : aborts) {
         const auto it = live_.find(r->id_);
@@ -245,13 +318,19 @@ void EngineLoop::run() {
       }
       aborts.clear();
       if (stopping_) break;
-      if (engine_->has_unfinished()) {
+      const bool frozen = [&] {
+        std::lock_guard lock(mu_);
+        return paused_ && pause_mode_ == PauseMode::keep;
+      }();
+      if (engine_->has_unfinished() && !frozen) {
         predict_cached_tokens();
         const double t0 = now_seconds();
         const StepOutput out = engine_->step();
         const double t1 = now_seconds();
         dispatch(out, t0, t1);
       }
+      announce();
+      apply_pause();
       announce();
     }
     for (auto& [id, r] : live_) endings_.push_back({r, engine_->abort(id), std::nullopt, 0, now_seconds()});

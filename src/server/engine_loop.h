@@ -82,6 +82,10 @@ struct EngineSnapshot {
   int64_t steps = 0, preemptions = 0;
 };
 
+// How /pause treats the requests in flight (vLLM's modes): abort ends them (finish reason abort), wait lets them
+// finish, keep freezes them where they are until resume.
+enum class PauseMode { abort, wait, keep };
+
 class EngineLoop {
  public:
   // max_in_flight: requests submitted and not over, beyond which submit() answers 429.
@@ -100,6 +104,15 @@ class EngineLoop {
   // Ends a request before the next step (no-op when it is over already).
   void abort(const std::shared_ptr<RequestStream>& r);
 
+  // Stops generation for an RL weight update (vLLM's /pause): requests in flight are treated as `mode` says, and new
+  // submissions wait (queued, not refused) until resume(). With clear_cache (modes abort and wait) the prefix cache
+  // is emptied once nothing runs. `settled` is called, on the engine thread, when the pause has taken effect.
+  void pause(PauseMode mode, bool clear_cache, std::function<void()> settled);
+  void resume();
+  bool paused() const;
+  // The last pause has taken effect (its requests aborted, finished or frozen; its cache cleared).
+  bool pause_settled() const;
+
   // New submissions get 503 from now on (SIGTERM).
   void stop_admitting() { admitting_ = false; }
   bool admitting() const { return admitting_; }
@@ -116,6 +129,8 @@ class EngineLoop {
   void announce();
   void fail_all(const std::string& why);
   void publish();
+  // On the engine thread: takes a pause request, and settles the pause once it holds.
+  void apply_pause();
 
   std::unique_ptr<Engine> engine_;
   const int64_t max_in_flight_, max_model_len_;
@@ -127,6 +142,10 @@ class EngineLoop {
   std::vector<std::shared_ptr<RequestStream>> submissions_, aborts_;
   int64_t in_flight_ = 0;
   EngineSnapshot snapshot_;
+  // Pausing (guarded by mu_): a request not yet taken by the engine thread, the state, and who waits for it to settle.
+  bool pause_requested_ = false, paused_ = false, pause_settled_ = false, clear_cache_ = false;
+  PauseMode pause_mode_ = PauseMode::abort;
+  std::vector<std::function<void()>> pause_waiters_;
 
   // Engine thread only: the requests in the engine, and those that ended in this iteration.
   std::unordered_map<RequestId, std::shared_ptr<RequestStream>> live_;

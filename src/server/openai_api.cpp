@@ -7,6 +7,7 @@
 
 #include "server/api_error.h"
 #include "server/completion_text.h"
+#include "server/prompt_logprobs.h"
 
 namespace kestrel::server {
 namespace {
@@ -64,6 +65,7 @@ struct OpenAIApi::Job {
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::string> echo;  // prompt texts to prepend (completions with echo)
   CompletionTextOptions text;
+  std::shared_ptr<const grammar::OutputConstraint> constraint;  // structured output
 };
 
 OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const text::ChatTemplate* chat_template,
@@ -73,8 +75,10 @@ OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const t
       chat_template_(chat_template),
       loop_(loop),
       metrics_(metrics),
+      rl_(opts.served_model_name, tok, opts.vocab_size, loop, metrics),
       created_(unix_time()),
-      seed_rng_(opts.seed ? *opts.seed : std::random_device{}()) {}
+      seed_rng_(opts.seed ? *opts.seed : std::random_device{}()),
+      structured_(tok, static_cast<int32_t>(opts.vocab_size), opts.eos_token_id, opts.reasoning_parser) {}
 
 uint64_t OpenAIApi::draw_seed() {
   std::lock_guard lock(seed_mu_);
@@ -103,7 +107,8 @@ void OpenAIApi::check_model(const std::string& model) const {
 
 awaitable<void> OpenAIApi::route(HttpExchange& ex) {
   const std::string path = ex.path();
-  if (!opts_.api_key.empty() && path.starts_with("/v1")) {
+  // The RL control routes change what every client gets: they need the key too.
+  if (!opts_.api_key.empty() && (path.starts_with("/v1") || path == "/pause" || path == "/resume")) {
     const auto auth = ex.request()[http::field::authorization];
     if (std::string_view(auth.data(), auth.size()) != "Bearer " + opts_.api_key)
       throw ApiError(401, "Unauthorized: a missing or wrong API key");
@@ -113,6 +118,10 @@ awaitable<void> OpenAIApi::route(HttpExchange& ex) {
       throw ApiError(405, fmt::format("{} is not allowed on {}", std::string(ex.request().method_string()), path));
     if (path == "/v1/completions") co_await completions(ex);
     else co_await chat(ex);
+    co_return;
+  }
+  if (RlApi::handles(path)) {
+    co_await rl_.handle(ex);
     co_return;
   }
   SimpleResponse r = simple_route(ex);
@@ -200,6 +209,7 @@ awaitable<void> OpenAIApi::completions(HttpExchange& ex) {
   Job job;
   job.id = random_id("cmpl-");
   job.gen = r.gen;
+  job.constraint = structured_.output(parse_output_request(r.gen.structured), StructuredOutputs::Start::text);
   for (const PromptInput& p : r.prompts) {
     if (const auto* s = std::get_if<std::string>(&p)) {
       job.prompts.push_back(encode_prompt(*s));
@@ -226,23 +236,35 @@ awaitable<void> OpenAIApi::chat(HttpExchange& ex) {
                 "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set");
   if ((r.tool_choice == ToolChoice::required || r.tool_choice == ToolChoice::named) && !opts_.tool_call_parser)
     bad_request("tool_choice", "tool_choice \"required\" or a named tool needs the server's --tool-call-parser");
-  std::string prompt = render_chat(r.messages, r.tools, r.add_generation_prompt, r.continue_final_message,
-                                   r.chat_template_kwargs);
+  const std::string prompt = render_chat(r.messages, r.tools, r.add_generation_prompt, r.continue_final_message,
+                                         r.chat_template_kwargs);
   ParserOptions parser;
   if (tools) {
     parser.tools = opts_.tool_call_parser;
-    parser.tool_start = r.tool_choice == ToolChoice::named      ? ToolStart::named
-                        : r.tool_choice == ToolChoice::required ? ToolStart::required
-                                                                : ToolStart::free;
-    parser.tool_name = r.tool_name;
     parser.call_id_prefix = "call_" + job.id.substr(9, 8) + "_";
-    prompt += tool_prefill(*parser.tools, parser.tool_start, r.tool_name);
   }
   if (opts_.reasoning_parser) {
     parser.reasoning = opts_.reasoning_parser;
     parser.start_in_reasoning = prompt.ends_with(reasoning_begin_marker(*opts_.reasoning_parser));
   }
   if (parser.tools || parser.reasoning) job.text.parser = parser;
+  // Constraints start where the reasoning parser's section ends. Forced tool calls are written by the model in its
+  // own syntax, constrained to the tools' parameter schemas.
+  const std::optional<OutputRequest> output = parse_output_request(r.gen.structured);
+  // A prompt that closed the reasoning section (thinking turned off by the template) starts with the answer.
+  const bool reasoning_closed = parser.reasoning && prompt.ends_with(reasoning_end_marker(*parser.reasoning));
+  const auto start = !parser.reasoning || reasoning_closed ? StructuredOutputs::Start::text
+                     : parser.start_in_reasoning          ? StructuredOutputs::Start::in_reasoning
+                                                          : StructuredOutputs::Start::maybe_reasoning;
+  if (r.tool_choice == ToolChoice::required || r.tool_choice == ToolChoice::named) {
+    if (output)
+      bad_request(output->param, "'{}' cannot be combined with tool_choice \"{}\"", output->param,
+                  r.tool_choice == ToolChoice::named ? "named" : "required");
+    job.constraint = structured_.tool_calls({r.tools, r.tool_name, r.parallel_tool_calls}, *opts_.tool_call_parser,
+                                            start);
+  } else {
+    job.constraint = structured_.output(output, start);
+  }
   job.prompts.push_back(encode_prompt(prompt));
   co_await generate(ex, job);
 }
@@ -278,6 +300,8 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     params[p].max_tokens = static_cast<int>(want);
     params[p].seed = seed + static_cast<uint64_t>(p) * 0x9E3779B97F4A7C15ull;
     params[p].logprobs = gen.top_logprobs;
+    params[p].prompt_logprobs = gen.prompt_logprobs;
+    params[p].constraint = job.constraint;
     params[p].validate(opts_.vocab_size);
   }
 
@@ -397,6 +421,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
   }
   ex.watch_disconnect();
 
+  std::vector<Json> prompt_logprobs(P);  // with gen.prompt_logprobs >= 0, once each request finished
   std::vector<bool> over(P, false);
   std::vector<double> finish_time(P, 0);
   std::optional<ApiError> failure;
@@ -450,6 +475,9 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
       if (ev.error) failure = ApiError(ev.error_status == 400 ? 400 : 503, *ev.error);
       if (ev.finished) {
         finish_time[p] = ev.finish_time;
+        if (gen.prompt_logprobs >= 0)
+          prompt_logprobs[p] = prompt_logprobs_json(ev.finished->prompt_logprobs, ev.finished->prompt_logprobs_start,
+                                                    logprob_token);
         for (const Completion& comp : ev.finished->completions) {
           Choice& c = choices[static_cast<size_t>(p) * n + comp.index];
           if (c.finish_reason) continue;
@@ -532,14 +560,16 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     j["logprobs"] = c.logprobs;
     j["finish_reason"] = c.finish_reason.value_or("abort");
     j["stop_reason"] = c.stop_reason;
+    if (!job.chat && gen.prompt_logprobs >= 0) j["prompt_logprobs"] = prompt_logprobs[c.prompt];
     out_choices.push_back(std::move(j));
   }
-  const Json body = {{"id", job.id},
-                     {"object", job.chat ? "chat.completion" : "text_completion"},
-                     {"created", created},
-                     {"model", opts_.served_model_name},
-                     {"choices", out_choices},
-                     {"usage", usage()}};
+  Json body = {{"id", job.id},
+               {"object", job.chat ? "chat.completion" : "text_completion"},
+               {"created", created},
+               {"model", opts_.served_model_name},
+               {"choices", out_choices},
+               {"usage", usage()}};
+  if (job.chat && gen.prompt_logprobs >= 0) body["prompt_logprobs"] = prompt_logprobs[0];
   co_await ex.reply(200, dump(body));
 }
 

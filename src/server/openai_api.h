@@ -1,5 +1,5 @@
 // The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (JSON or server-sent events), /v1/models,
-// /tokenize, /detokenize, /health, /metrics, /version. The API side owns text: it tokenises, renders the chat
+// /tokenize, /detokenize, /health, /metrics, /version; the RL routes of rl_api.h. The API side owns text: it tokenises, renders the chat
 // template, detokenises incrementally, applies stop strings and runs the reasoning and tool-call parsers; the
 // engine loop sees token ids only.
 #pragma once
@@ -15,6 +15,8 @@
 #include "server/metrics.h"
 #include "server/output_parser.h"
 #include "server/protocol.h"
+#include "server/rl_api.h"
+#include "server/structured_output.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -64,9 +66,11 @@ class OpenAIApi {
   const text::ChatTemplate* chat_template_;
   EngineLoop& loop_;
   ServerMetrics& metrics_;
+  RlApi rl_;
   int64_t created_;
   std::mutex seed_mu_;
   std::mt19937_64 seed_rng_;
+  StructuredOutputs structured_;
 };
 
 }  // namespace kestrel::server

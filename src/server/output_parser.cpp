@@ -98,36 +98,13 @@ void OutputDelta::merge(const OutputDelta& d) {
 }
 
 const char* reasoning_begin_marker(ParserFormat) { return "<think>"; }
-
-std::string tool_prefill(ParserFormat f, ToolStart start, const std::string& name) {
-  if (start == ToolStart::free) return "";
-  if (f == ParserFormat::kimi_k3) {
-    std::string s(kKimiSectionBegin);
-    if (start == ToolStart::named) s += fmt::format("{}functions.{}:0{}", kKimiCallBegin, name, kKimiArgsBegin);
-    return s;
-  }
-  std::string s = std::string(kDsmlSectionBegin) + "\n";
-  if (start == ToolStart::named) s += fmt::format("{}{}\">\n", kDsmlInvokeBegin, name);
-  return s;
-}
+const char* reasoning_end_marker(ParserFormat) { return "</think>"; }
 
 OutputParser::OutputParser(const ParserOptions& opts) : opts_(opts), state_(State::start) {
   if (opts_.reasoning && opts_.start_in_reasoning) state_ = State::reasoning;
-  if (opts_.tools && opts_.tool_start != ToolStart::free) state_ = State::section;
-  if (opts_.tools && opts_.tool_start == ToolStart::named) {
-    state_ = State::call_body;
-    announce_named_call_ = true;
-  }
 }
 
 void OutputParser::feed(std::string_view text, OutputDelta& out) {
-  if (announce_named_call_) {
-    // The prompt opened the named call: announce it before its arguments.
-    const std::string id = *opts_.tools == ParserFormat::kimi_k3 ? fmt::format("functions.{}:0", opts_.tool_name)
-                                                                  : opts_.call_id_prefix + "0";
-    begin_call(id, opts_.tool_name, out);
-    announce_named_call_ = false;
-  }
   buf_.append(text);
   process(out, false);
 }

@@ -39,21 +39,16 @@ struct OutputDelta {
   void merge(const OutputDelta& d);
 };
 
-enum class ToolStart { free, required, named };
-
 struct ParserOptions {
   std::optional<ParserFormat> reasoning;  // none: <think> markup is content
   std::optional<ParserFormat> tools;      // none: tool-call markup is content
   bool start_in_reasoning = false;        // the prompt already opened the reasoning (ends with <think>)
-  ToolStart tool_start = ToolStart::free; // the prompt already opened the tool section / a named call
-  std::string tool_name;                  // with ToolStart::named
   std::string call_id_prefix = "call_";   // ids of DSML calls: prefix + index
 };
-
-// What the server appends to the rendered prompt to force tool calls (tool_choice "required" or named).
-std::string tool_prefill(ParserFormat f, ToolStart start, const std::string& name);
-// The marker that opens reasoning in `f` (a prompt ending with it starts the completion inside reasoning).
+// The markers that open and close reasoning in `f` (a prompt ending with the first starts the completion inside
+// reasoning; one ending with the second has closed it).
 const char* reasoning_begin_marker(ParserFormat f);
+const char* reasoning_end_marker(ParserFormat f);
 
 class OutputParser {
  public:
@@ -77,7 +72,6 @@ class OutputParser {
   State state_;
   std::string buf_;
   int calls_ = 0;
-  bool announce_named_call_ = false;  // the first delta starts the call the prompt opened
 };
 
 }  // namespace kestrel::server

@@ -108,17 +108,18 @@ void reject_unsupported(Fields& f) {
     bad_request("min_tokens", "'min_tokens' is not supported");
   if (const auto v = f.boolean("use_beam_search"); v && *v)
     bad_request("use_beam_search", "beam search is not supported");
-  for (const char* k : {"prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice",
-                        "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "logits_processors",
+  for (const char* k : {"truncate_prompt_tokens", "allowed_token_ids", "bad_words", "logits_processors",
                         "lora_request", "chat_template", "suffix"})
     if (f.has(k)) bad_request(k, "'{}' is not supported by this server", k);
-  if (const Json* v = f.get("response_format")) {
-    if (!v->is_object()) Fields::wrong("response_format", "an object", *v);
-    const auto t = v->find("type");
-    if (t == v->end() || !t->is_string()) bad_request("response_format", "'response_format.type' must be a string");
-    if (*t != "text")
-      bad_request("response_format", "response_format type '{}' is not supported (only 'text')", t->get<std::string>());
-  }
+}
+
+// The structured-output fields, kept as given for server/structured_output.h.
+Json structured_fields(Fields& f) {
+  Json out;
+  for (const char* k : {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                        "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"})
+    if (const Json* v = f.get(k)) out[k] = *v;
+  return out;
 }
 
 GenerationParams parse_generation(Fields& f, bool chat) {
@@ -193,10 +194,15 @@ GenerationParams parse_generation(Fields& f, bool chat) {
   }
   if (auto v = f.integer("priority", std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()))
     g.priority = static_cast<int>(*v);
+  if (auto v = f.integer("prompt_logprobs", 0, kMaxLogprobs)) {
+    if (g.stream) bad_request("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+    g.prompt_logprobs = static_cast<int>(*v);
+  }
   f.string("user");
   f.get("metadata");
   f.get("store");
   reject_unsupported(f);
+  g.structured = structured_fields(f);
   return g;
 }
 
@@ -276,6 +282,40 @@ Json parse_tools(const Json* v) {
   return v->empty() ? Json(nullptr) : *v;
 }
 
+// A completions-style prompt field: a string, an array of strings, token ids, or an array of token-id arrays.
+std::vector<PromptInput> parse_prompts(const Json* p, const std::string& key) {
+  if (!p) bad_request(key, "'{}' is required", key);
+  auto ids = [&](const Json& a) {
+    std::vector<int32_t> out;
+    for (const Json& x : a) {
+      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > std::numeric_limits<int32_t>::max())
+        bad_request(key, "token-id prompts must hold non-negative integers");
+      out.push_back(x.get<int32_t>());
+    }
+    if (out.empty()) bad_request(key, "a prompt must not be empty");
+    return out;
+  };
+  std::vector<PromptInput> prompts;
+  if (p->is_string()) {
+    prompts.emplace_back(p->get<std::string>());
+  } else if (p->is_array() && !p->empty()) {
+    if ((*p)[0].is_number_integer()) {
+      prompts.emplace_back(ids(*p));
+    } else {
+      for (const Json& x : *p) {
+        if (x.is_string()) prompts.emplace_back(x.get<std::string>());
+        else if (x.is_array()) prompts.emplace_back(ids(x));
+        else bad_request(key, "'{}' must be a string, an array of strings, or token ids", key);
+      }
+    }
+  } else {
+    bad_request(key, "'{}' must be a non-empty string, array of strings, or token ids", key);
+  }
+  for (const PromptInput& x : prompts)
+    if (const auto* s = std::get_if<std::string>(&x); s && s->empty()) bad_request(key, "a prompt must not be empty");
+  return prompts;
+}
+
 }  // namespace
 
 Json parse_body(const std::string& body) {
@@ -306,37 +346,32 @@ CompletionRequest parse_completion_request(const Json& body) {
     r.gen.top_logprobs = static_cast<int>(*f.integer("logprobs", 0, kMaxLogprobs));
   }
   if (auto v = f.boolean("echo")) r.echo = *v;
-  const Json* p = f.get("prompt");
-  if (!p) bad_request("prompt", "'prompt' is required");
-  auto ids = [](const Json& a) {
-    std::vector<int32_t> out;
-    for (const Json& x : a) {
-      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > std::numeric_limits<int32_t>::max())
-        bad_request("prompt", "token-id prompts must hold non-negative integers");
-      out.push_back(x.get<int32_t>());
-    }
-    if (out.empty()) bad_request("prompt", "a prompt must not be empty");
-    return out;
-  };
-  if (p->is_string()) {
-    r.prompts.emplace_back(p->get<std::string>());
-  } else if (p->is_array() && !p->empty()) {
-    if ((*p)[0].is_number_integer()) {
-      r.prompts.emplace_back(ids(*p));
-    } else {
-      for (const Json& x : *p) {
-        if (x.is_string()) r.prompts.emplace_back(x.get<std::string>());
-        else if (x.is_array()) r.prompts.emplace_back(ids(x));
-        else bad_request("prompt", "'prompt' must be a string, an array of strings, or token ids");
-      }
-    }
-  } else {
-    bad_request("prompt", "'prompt' must be a non-empty string, array of strings, or token ids");
-  }
-  for (const PromptInput& x : r.prompts)
-    if (const auto* s = std::get_if<std::string>(&x); s && s->empty())
-      bad_request("prompt", "a prompt must not be empty");
+  r.prompts = parse_prompts(f.get("prompt"), "prompt");
   r.gen.ignored_fields = f.unread();
+  return r;
+}
+
+ScoreTokensRequest parse_score_tokens_request(const Json& body) {
+  Fields f(body, "body");
+  ScoreTokensRequest r;
+  if (auto v = f.string("model")) r.model = *v;
+  r.prompts = parse_prompts(f.get("prompt"), "prompt");
+  if (const Json* v = f.get("response")) {
+    r.responses = parse_prompts(v, "response");
+    if (r.responses.size() != r.prompts.size())
+      bad_request("response", "'response' must give one response per prompt ({} prompts, {} responses)",
+                  r.prompts.size(), r.responses.size());
+  }
+  if (auto v = f.integer("start", 1)) {
+    if (!r.responses.empty()) bad_request("start", "'start' and 'response' cannot both be given");
+    r.start = *v;
+  }
+  if (auto v = f.integer("top_logprobs", 0, kMaxLogprobs)) r.top_logprobs = static_cast<int>(*v);
+  if (auto v = f.boolean("return_tokens_as_token_ids")) r.return_tokens_as_token_ids = *v;
+  if (auto v = f.integer("priority", std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()))
+    r.priority = static_cast<int>(*v);
+  if (const auto unread = f.unread(); !unread.empty())
+    bad_request(unread[0], "'{}' is not a field of a score_tokens request", unread[0]);
   return r;
 }
 
@@ -353,7 +388,7 @@ ChatRequest parse_chat_request(const Json& body) {
   }
   r.messages = parse_messages(f.get("messages"));
   r.tools = parse_tools(f.get("tools"));
-  f.boolean("parallel_tool_calls");
+  if (auto v = f.boolean("parallel_tool_calls")) r.parallel_tool_calls = *v;
   r.tool_choice = r.tools.is_null() ? ToolChoice::none : ToolChoice::automatic;
   if (const Json* v = f.get("tool_choice")) {
     if (v->is_string()) {

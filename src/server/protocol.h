@@ -29,8 +29,12 @@ struct GenerationParams {
   bool include_usage = false;        // stream_options.include_usage
   bool continuous_usage_stats = false;
   int top_logprobs = -1;             // >= 0: log-probabilities with this many alternatives
+  int prompt_logprobs = -1;          // >= 0: each prompt token's log-probability with this many alternatives
   bool return_tokens_as_token_ids = false;  // logprob tokens as "token_id:N" (vLLM's option)
   int priority = 0;
+  // The structured-output fields as given (response_format, structured_outputs, guided_*): parsed and checked by
+  // server/structured_output.h. Null when there are none.
+  Json structured;
   std::vector<std::string> ignored_fields;
 };
 
@@ -50,9 +54,21 @@ struct ChatRequest {
   Json tools;                    // null or the array of tools
   ToolChoice tool_choice = ToolChoice::none;
   std::string tool_name;         // with ToolChoice::named
+  bool parallel_tool_calls = true;
   bool add_generation_prompt = true;
   bool continue_final_message = false;
   Json chat_template_kwargs;     // null or an object
+};
+
+// POST /v1/score_tokens: teacher-forced log-probabilities of given token sequences (docs/serving.md).
+struct ScoreTokensRequest {
+  std::string model;
+  std::vector<PromptInput> prompts;
+  std::vector<PromptInput> responses;  // empty, or one per prompt: then the response tokens are scored
+  int64_t start = 1;                   // without responses: the first position scored
+  int top_logprobs = 0;
+  bool return_tokens_as_token_ids = false;
+  int priority = 0;
 };
 
 struct TokenizeRequest {
@@ -77,6 +93,7 @@ constexpr int kMaxJsonDepth = 64;
 
 CompletionRequest parse_completion_request(const Json& body);
 ChatRequest parse_chat_request(const Json& body);
+ScoreTokensRequest parse_score_tokens_request(const Json& body);
 TokenizeRequest parse_tokenize_request(const Json& body);
 DetokenizeRequest parse_detokenize_request(const Json& body);
 

@@ -1,5 +1,7 @@
 #include "server/serve.h"
 
+#include "cpu/cpu_backend.h"
+
 #include <sys/resource.h>
 
 #include <chrono>
@@ -40,7 +42,8 @@ int serve(const ServeOptions& o) {
   raise_descriptor_limit();
 
   const auto t0 = std::chrono::steady_clock::now();
-  const std::unique_ptr<Model> model = Model::load(o.model_dir, o.model);
+  const std::unique_ptr<Model> model =
+      Model::load(o.model_dir, o.model, o.make_backend ? o.make_backend() : std::make_unique<CpuBackend>(), o.load);
   const text::Tokenizer tok = text::Tokenizer::load(o.model_dir);
   std::optional<text::ChatTemplate> chat_template;
   try {

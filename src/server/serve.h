@@ -2,6 +2,8 @@
 // on which it stops admitting, lets running requests finish for a grace period, and returns 0.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -20,6 +22,7 @@ struct ServeOptions {
   std::string tool_call_parser, reasoning_parser;  // empty: none
   bool enable_auto_tool_choice = false;
   ModelOptions model;
+  LoadOptions load;
   EngineConfig engine;
   int64_t max_queued_requests = 1024;  // requests in flight beyond which new ones get 429
   uint64_t max_request_bytes = uint64_t{32} << 20;
@@ -27,6 +30,7 @@ struct ServeOptions {
   int max_connections = 4096;
   double shutdown_timeout = 30;        // seconds running requests get after SIGTERM
   std::optional<uint64_t> seed;        // seeds of requests that give none are drawn from this
+  std::function<std::unique_ptr<Backend>()> make_backend;  // empty: the CPU backend
   DeviceAttach attach_device;          // empty: the CPU engine
 };
 

@@ -285,7 +285,12 @@ std::string kjv_corpus() {
 }
 
 void write_trained_tokenizer(const std::string& dir, const TokenizerFilesSpec& spec) {
-  const TrainedBpe bpe = train_bpe(kjv_corpus(), kimi_split_pattern(), spec.vocab_size, spec.special_tokens);
+  TrainedBpe bpe = train_bpe(kjv_corpus(), kimi_split_pattern(), spec.vocab_size, spec.special_tokens);
+  // Past what the corpus trains (about 18000 ids), reserved entries fill the vocabulary, as real tokenizers have them,
+  // so that every id of a model's vocabulary decodes: ordinary entries no merge produces (the split pattern cuts
+  // "<|" from the letters before any merge could join them).
+  for (int64_t id = static_cast<int64_t>(bpe.id_bytes.size()); id < spec.vocab_size; ++id)
+    bpe.id_bytes.push_back("<|reserved_token_" + std::to_string(id) + "|>");
   write_tokenizer_files(dir, bpe, spec);
 }
 

@@ -45,9 +45,9 @@ void write_tokenizer_files(const std::string& dir, const TrainedBpe& bpe, const 
 // for machines without the package). Throws kestrel::Error naming the package if missing.
 std::string kjv_corpus();
 
-// make-model's tokenizer: trains on kjv_corpus() and writes the files. spec.vocab_size must leave room for the
-// 256 bytes and the special tokens; it is also the largest vocabulary the files will use (fewer ids are written
-// if the corpus runs out of pairs that occur twice, which for the KJV text happens near 18000 ids).
+// make-model's tokenizer: trains on kjv_corpus() and writes the files with spec.vocab_size ids (which must leave room
+// for the 256 bytes and the special tokens). When the corpus runs out of pairs that occur twice (near 18000 ids for
+// the KJV text), the rest are reserved entries "<|reserved_token_N|>" that no text encodes to.
 void write_trained_tokenizer(const std::string& dir, const TokenizerFilesSpec& spec);
 
 }  // namespace kestrel::text

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "core/formats.h"
+#include "../cpu/mla_test_layer.h"
 #include "model/weights.h"
 #include "tiny_models.h"
 
@@ -50,12 +51,12 @@ TEST(Mxfp4Key, ReExpressedAsFp8Exactly) {
 // One MLA layer of the tiny kimi_k3 in two formats, fed the same inputs, each with pages in rows 3, 0, 2 of its
 // own zeroed pool (block size 16), so that the block table and slots are really translated.
 struct PagedLayer {
-  const MlaAttention& layer;
+  const MlaCore& layer;
   int B = 16;
   std::vector<uint8_t> pool;
   std::vector<int32_t> table = {3, 0, 2};
   std::vector<int64_t> slots;
-  explicit PagedLayer(const MlaAttention& l) : layer(l) {
+  explicit PagedLayer(const MlaCore& l) : layer(l) {
     pool.assign(4 * row_bytes(), 0);
   }
   int64_t row_bytes() const { return B * (layer.latent_bytes() + layer.index_key_bytes()); }
@@ -72,22 +73,17 @@ class LayerFormats : public ::testing::Test {
     dir_ = test::tiny_dir(Arch::kimi_k3);
     cfg_ = ModelConfig::load(dir_ + "/config.json");
     while (cfg_.layer_kinds[layer_] != LayerKind::mla) ++layer_;
-    std::mt19937 rng(4);
-    std::normal_distribution<float> nd;
-    x_.resize(T * cfg_.hidden_size);
-    for (float& v : x_) v = nd(rng);
+    in_ = std::make_unique<test::MlaInputs>(cfg_, T, 4);
   }
-  std::unique_ptr<MlaAttention> make(LatentCacheDtype latent, IndexKeyDtype keys) {
-    WeightLoader w(dir_, cfg_.weight_block_size);
-    return std::make_unique<MlaAttention>(cfg_, w, "model.layers." + std::to_string(layer_) + ".self_attn.", latent,
-                                          keys);
+  const MlaCore* make(LatentCacheDtype latent, IndexKeyDtype keys) {
+    layers_.push_back(std::make_unique<test::MlaLayer>(dir_, cfg_, latent, keys));
+    return layers_.back()->core;
   }
   // Runs 30 tokens as a prompt of 20 and a second step of 10; returns the output and the cached latent rows.
-  std::vector<float> run(const MlaAttention& l, PagedLayer& p, std::vector<float>* latent = nullptr) {
-    const int64_t D = cfg_.hidden_size;
-    std::vector<float> y(T * D);
-    l.forward(x_.data(), 20, p.pages(0, 20), y.data());
-    l.forward(x_.data() + 20 * D, T - 20, p.pages(20, T - 20), y.data() + 20 * D);
+  std::vector<float> run(const MlaCore& l, PagedLayer& p, std::vector<float>* latent = nullptr) {
+    std::vector<float> y(T * cfg_.num_attention_heads * cfg_.v_head_dim);
+    in_->run(l, 0, 20, p.pages(0, 20), y);
+    in_->run(l, 20, T - 20, p.pages(20, T - 20), y);
     if (latent) {
       latent->resize(T * (cfg_.kv_lora_rank + cfg_.qk_rope_head_dim));
       l.read_latent(p.pages(0, 0), T, latent->data());
@@ -99,7 +95,8 @@ class LayerFormats : public ::testing::Test {
   std::string dir_;
   ModelConfig cfg_;
   int layer_ = 0;
-  std::vector<float> x_;
+  std::unique_ptr<test::MlaInputs> in_;
+  std::vector<std::unique_ptr<test::MlaLayer>> layers_;
 };
 
 TEST_F(LayerFormats, Nvfp4LatentIsTheRoundTripOfTheFp32Latent) {
@@ -165,7 +162,7 @@ TEST_F(LayerFormats, Mxfp4KeysStayCloseToFp8Keys) {
   const auto yb = run(*mx, pb);
   // The first index_topk (16) positions attend to everything whatever the keys: identical; later ones may select
   // other tokens, so the outputs differ, within a bound.
-  const int64_t D = cfg_.hidden_size, dense = cfg_.index_topk;
+  const int64_t D = int64_t{cfg_.num_attention_heads} * cfg_.v_head_dim, dense = cfg_.index_topk;
   EXPECT_EQ(0, std::memcmp(ya.data(), yb.data(), dense * D * sizeof(float)));
   EXPECT_LT(rel_err(yb, ya), 0.5);
 }

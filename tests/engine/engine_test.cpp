@@ -30,8 +30,7 @@ struct Case {
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  static const char* latent[] = {"auto", "fp8", "nvfp4"};
-  return std::string(arch_name(c.arch)) + "_" + latent[static_cast<int>(c.latent)] +
+  return std::string(arch_name(c.arch)) + "_" + latent_cache_dtype_name(c.latent) +
          (c.keys == IndexKeyDtype::mxfp4 ? "_mxfp4" : "") + (c.chunked ? "" : "_recurrent");
 }
 
@@ -81,7 +80,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{Arch::kimi_k3, LatentCacheDtype::auto_fp32, IndexKeyDtype::fp8, false},
                       Case{Arch::kimi_linear, LatentCacheDtype::auto_fp32, IndexKeyDtype::fp8, true},
                       Case{Arch::deepseek_v32, LatentCacheDtype::auto_fp32, IndexKeyDtype::fp8, true},
-                      Case{Arch::deepseek_v32, LatentCacheDtype::fp8, IndexKeyDtype::mxfp4, true}),
+                      Case{Arch::deepseek_v32, LatentCacheDtype::fp8, IndexKeyDtype::mxfp4, true},
+                      Case{Arch::deepseek_v32, LatentCacheDtype::bf16, IndexKeyDtype::fp8, true}),
     case_name);
 
 TEST(Engine, StepsStayWithinTheBudgetAndCutPromptsAtChunkMultiples) {
@@ -188,7 +188,7 @@ TEST(Engine, ModelWithoutAttentionLayers) {
   j["linear_attn_config"]["full_attn_layers"] = nlohmann::json::array();
   j["linear_attn_config"]["kda_layers"] = {1, 2};
   std::ofstream(dir + "/config.json") << j.dump(2);
-  const auto m = Model::load(dir);
+  const auto m = load_cpu_model(dir);
   fs::remove_all(dir);
   ASSERT_EQ(m->config().num_layers_of(LayerKind::mla), 0);
 

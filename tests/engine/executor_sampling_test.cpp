@@ -121,5 +121,43 @@ TEST(ExecutorSampling, StepsItCannotSampleFallBack) {
   expect_same(plain, got);
 }
 
+// Scoring among requests the executor samples: a score-only request whose scored rows all came in earlier chunks
+// ends on the engine (never sampled by the executor), and its log-probabilities are the plain engine's.
+TEST(ExecutorSampling, ScoringRequestsEndOnTheEngine) {
+  const Model& m = tiny_model(Arch::kimi_linear);
+  auto run_scoring = [&](bool executor_samples, int* steps) {
+    EngineConfig cfg;
+    cfg.max_num_batched_tokens = 64;
+    if (executor_samples) {
+      cfg.executor = [steps](const Model& model, CacheManager& cache) -> std::unique_ptr<StepExecutor> {
+        return std::make_unique<HostSamplingRunner>(model, cache, steps);
+      };
+      cfg.executor_on_host_pool = true;
+    }
+    Engine e(m, cfg);
+    SamplingParams sample = every_option()[1];
+    SamplingParams score;
+    score.max_tokens = 0;
+    score.prompt_logprobs = 1;
+    // 129 tokens: chunks [0, 64), [64, 128), [128, 129); the last token's log-probability comes from row 127, so
+    // the last chunk computes nothing to score.
+    score.prompt_logprobs_start = 100;
+    e.add_request(random_prompt(40, 1), sample);
+    e.add_request(random_prompt(129, 2), score);
+    auto out = e.run_to_completion();
+    EXPECT_EQ(e.stats().generated_tokens, sample.max_tokens);  // the score-only request generated nothing
+    return out;
+  };
+  int steps = 0;
+  const auto plain = run_scoring(false, &steps);
+  const auto got = run_scoring(true, &steps);
+  EXPECT_GT(steps, 0);
+  expect_same(plain, got);
+  ASSERT_EQ(got[1].completions.size(), 0u);
+  ASSERT_EQ(got[1].prompt_logprobs.size(), 29u);
+  for (size_t i = 0; i < 29; ++i)
+    EXPECT_EQ(std::memcmp(&plain[1].prompt_logprobs[i].logprob, &got[1].prompt_logprobs[i].logprob, sizeof(float)), 0);
+}
+
 }  // namespace
 }  // namespace kestrel

@@ -15,6 +15,7 @@
 
 #include "engine/engine.h"
 #include "model/make_model.h"
+#include "cpu/cpu_backend.h"
 #include "model/model.h"
 
 namespace kestrel {
@@ -56,7 +57,7 @@ inline const Model& tiny_model(Arch arch, const ModelOptions& opts = {}) {
   const auto key = std::make_tuple(arch, static_cast<int>(opts.latent_cache), static_cast<int>(opts.index_keys),
                                    opts.kda_chunked_prefill);
   auto& m = models[key];
-  if (!m) m = Model::load(tiny_dir(arch), opts);
+  if (!m) m = load_cpu_model(tiny_dir(arch), opts);
   return *m;
 }
 

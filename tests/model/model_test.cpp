@@ -1,5 +1,5 @@
-// Whole-model tests of the CPU reference on the tiny presets: loading, consistency between prefill and decode,
-// DSA with a top-k that covers the context equals dense MLA, and clear errors for broken checkpoints.
+// Whole-model tests of the CPU reference on the tiny presets: loading, consistency between prefill and decode, clear
+// errors for broken checkpoints and configs, --hf-overrides, the context length's config keys and dummy weights.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/formats.h"
 #include "kernels/cpu/basic.h"
+#include "cpu/cpu_backend.h"
 #include "model/make_model.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -63,35 +64,10 @@ std::vector<float> split_logits(const Model& m, const std::vector<int32_t>& ids,
   return out;
 }
 
-// One MLA layer's pages outside any engine: block j lives in row j, so a position's slot is the position itself.
-struct LayerPages {
-  explicit LayerPages(const MlaAttention& l) : layer(l) {}
-  const MlaAttention& layer;
-  int block_size = 64;
-  int64_t n = 0;
-  std::vector<uint8_t> rows;
-  std::vector<int32_t> table;
-  std::vector<int64_t> slots;
-
-  int64_t row_bytes() const { return block_size * (layer.latent_bytes() + layer.index_key_bytes()); }
-  // The pages of positions [0, n + T) with slots for T new tokens at n...
-  TokenPages next(int64_t T) {
-    const int64_t blocks = (n + T + block_size - 1) / block_size;
-    rows.resize(blocks * row_bytes());
-    table.resize(blocks);
-    for (int64_t j = 0; j < blocks; ++j) table[j] = static_cast<int32_t>(j);
-    slots.resize(T);
-    for (int64_t t = 0; t < T; ++t) slots[t] = n + t;
-    const TokenPages pages{rows.data(), row_bytes(), block_size, table.data(), slots.data(), n};
-    n += T;
-    return pages;
-  }
-};
-
 class EveryArch : public ::testing::TestWithParam<Arch> {};
 
 TEST_P(EveryArch, LoadsAndProducesFiniteLogits) {
-  const auto m = Model::load(tiny_dir(GetParam()));
+  const auto m = load_cpu_model(tiny_dir(GetParam()));
   const auto logits = prefill_logits(*m, random_ids(20, 1));
   for (float v : logits) ASSERT_TRUE(std::isfinite(v));
   // Logits of a random-weight model are O(1)-O(10), not saturated or vanishing.
@@ -109,13 +85,13 @@ TEST_P(EveryArch, PrefillEqualsPrefillThenDecode) {
   const auto ids = random_ids(90, 2);  // > 64 (a KDA chunk) and > index_topk (16): sparse selection happens
   ModelOptions exact;
   exact.kda_chunked_prefill = false;
-  const auto m_exact = Model::load(tiny_dir(GetParam()), exact);
+  const auto m_exact = load_cpu_model(tiny_dir(GetParam()), exact);
   const auto full = prefill_logits(*m_exact, ids);
   for (size_t k : {size_t{1}, size_t{37}, size_t{64}, size_t{89}}) {
     const auto split = split_logits(*m_exact, ids, k);
     EXPECT_EQ(0, std::memcmp(full.data(), split.data(), full.size() * sizeof(float))) << "k=" << k;
   }
-  const auto m = Model::load(tiny_dir(GetParam()));
+  const auto m = load_cpu_model(tiny_dir(GetParam()));
   const auto chunked = prefill_logits(*m, ids);
   EXPECT_LT(rel_err(chunked, full), 1e-5);
   const auto chunked_split = split_logits(*m, ids, 64);  // segment boundary on a chunk boundary
@@ -124,93 +100,6 @@ TEST_P(EveryArch, PrefillEqualsPrefillThenDecode) {
 
 INSTANTIATE_TEST_SUITE_P(Tiny, EveryArch, ::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
                          [](const auto& info) { return std::string(arch_name(info.param)); });
-
-// The attention prefix of the first MLA layer of `cfg`.
-std::string first_mla_prefix(const ModelConfig& cfg) {
-  int layer = 0;
-  while (cfg.layer_kinds[layer] != LayerKind::mla) ++layer;
-  return "model.layers." + std::to_string(layer) + ".self_attn.";
-}
-
-// n standard-normal values from `seed`.
-std::vector<float> normal_values(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> x(n);
-  for (float& v : x) v = nd(rng);
-  return x;
-}
-
-// A DSA layer whose index_topk covers the whole context selects every causal token and must equal dense MLA over
-// the same weights, bit for bit (the selected rows are visited in position order).
-TEST(Dsa, TopkCoveringContextEqualsDenseMla) {
-  for (Arch arch : {Arch::kimi_k3, Arch::deepseek_v32}) {
-    const std::string dir = tiny_dir(arch);
-    ModelConfig sparse = ModelConfig::load(dir + "/config.json");
-    sparse.index_topk = 4096;
-    ModelConfig dense = sparse;
-    dense.has_indexer = false;
-    const std::string prefix = first_mla_prefix(sparse);
-    WeightLoader w(dir, sparse.weight_block_size);
-    const MlaAttention a(sparse, w, prefix, LatentCacheDtype::auto_fp32);
-    const MlaAttention b(dense, w, prefix, LatentCacheDtype::auto_fp32);
-    const int64_t T = 70, D = sparse.hidden_size;
-    const std::vector<float> x = normal_values(T * D, 3);
-    std::vector<float> ya(T * D), yb(T * D);
-    LayerPages ca{a}, cb{b};
-    a.forward(x.data(), 40, ca.next(40), ya.data());  // prefill then a second chunk, so both paths read cached rows
-    a.forward(x.data() + 40 * D, T - 40, ca.next(T - 40), ya.data() + 40 * D);
-    b.forward(x.data(), 40, cb.next(40), yb.data());
-    b.forward(x.data() + 40 * D, T - 40, cb.next(T - 40), yb.data() + 40 * D);
-    EXPECT_EQ(0, std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float))) << arch_name(arch);
-
-    // With the tiny preset's top-16 the layer really is sparse at 70 tokens: the outputs must differ.
-    sparse.index_topk = 16;
-    const MlaAttention c(sparse, w, prefix, LatentCacheDtype::auto_fp32);
-    LayerPages cc{c};
-    std::vector<float> yc(T * D);
-    c.forward(x.data(), T, cc.next(T), yc.data());
-    EXPECT_GT(rel_err(yc, yb), 1e-4) << arch_name(arch);
-    EXPECT_EQ(0, std::memcmp(yc.data(), yb.data(), 16 * D * sizeof(float)))  // first 16 tokens: dense regime
-        << arch_name(arch);
-  }
-}
-
-// The FP8 latent cache rounds what attention reads: one MLA layer's output stays close to the fp32 cache's (e4m3
-// keeps 3 mantissa bits: a few percent), but is not identical. Whole-model logits are not compared: MoE routing
-// and top-k selection are discontinuous, so a small perturbation can legitimately flip an expert.
-TEST(Model, Fp8LatentCacheStaysClose) {
-  for (Arch arch : {Arch::kimi_k3, Arch::deepseek_v32}) {
-    const std::string dir = tiny_dir(arch);
-    const ModelConfig cfg = ModelConfig::load(dir + "/config.json");
-    const std::string prefix = first_mla_prefix(cfg);
-    WeightLoader w(dir, cfg.weight_block_size);
-    const MlaAttention ref(cfg, w, prefix, LatentCacheDtype::auto_fp32);
-    const MlaAttention fp8(cfg, w, prefix, LatentCacheDtype::fp8);
-    const int64_t T = 30, D = cfg.hidden_size;
-    const std::vector<float> x = normal_values(T * D, 5);
-    std::vector<float> ya(T * D), yb(T * D);
-    LayerPages ca{ref}, cb{fp8};
-    ref.forward(x.data(), T, ca.next(T), ya.data());
-    const TokenPages fp8_pages = cb.next(T);
-    fp8.forward(x.data(), T, fp8_pages, yb.data());
-    const double e = rel_err(yb, ya);
-    EXPECT_GT(e, 1e-4) << arch_name(arch);
-    EXPECT_LT(e, 0.08) << arch_name(arch);
-    // Every cached value is an e4m3 value times the layer's scale (kimi) or its tile's power-of-two scale
-    // (deepseek, whose k_pe tail is bf16 instead).
-    const int C = cfg.kv_lora_rank;
-    std::vector<float> cached(T * (C + cfg.qk_rope_head_dim));
-    fp8.read_latent(fp8_pages, T, cached.data());
-    for (int64_t t = 0; t < T; ++t)
-      for (int i = 0; i < C; ++i) {
-        const float v = cached[t * (C + cfg.qk_rope_head_dim) + i];
-        int e2;
-        const float m = std::frexp(v, &e2);
-        EXPECT_EQ(m * 16.0f, std::round(m * 16.0f)) << "value " << v << " has more than e4m3's 4 significant bits";
-      }
-  }
-}
 
 // ---- broken checkpoints: each gives an Error that names the problem ----
 
@@ -224,7 +113,7 @@ std::string copy_of_tiny(const std::string& name) {
 
 void expect_load_error(const std::string& dir, const std::string& needle) {
   try {
-    Model::load(dir);
+    load_cpu_model(dir);
     FAIL() << "expected an error mentioning '" << needle << "'";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
@@ -293,7 +182,7 @@ TEST(BrokenConfig, ErrorsNameTheField) {
       {[](auto& j) { j.erase("hidden_size"); }, "hidden_size"},
       {[](auto& j) { j["kv_lora_rank"] = "wide"; }, "kv_lora_rank"},
       {[](auto& j) { j["model_type"] = "llama"; }, "llama"},
-      {[](auto& j) { j["linear_attn_config"]["kda_layers"] = {1, 2, 4, 5, 9}; }, "kda_layers"},
+      {[](auto& j) { j["linear_attn_config"]["kda_layers"] = {0, 1, 2, 4, 5}; }, "kda_layers"},
       {[](auto& j) { j["linear_attn_config"]["full_attn_layers"] = {3}; }, "6"},
       {[](auto& j) { j["num_experts_per_token"] = 99; }, "experts per token"},
       {[](auto& j) { j["index_head_dim"] = 48; }, "index_head_dim"},
@@ -309,40 +198,119 @@ TEST(BrokenConfig, ErrorsNameTheField) {
   expect_load_error(dir, "config.json");
 }
 
-// ModelOptions::bf16_activations (the GPU's numerics): a linear layer then multiplies the bf16-rounded input, and
-// only then; the default keeps fp32 inputs.
-TEST(Model, Bf16ActivationsRoundLinearInputs) {
-  std::mt19937 rng(3);
-  std::normal_distribution<float> nd;
-  const int64_t in = 37, out = 5, T = 3;
-  Linear l;
-  l.w = Tensor({out, in});
-  for (float& w : l.w.data) w = round_to_bf16(nd(rng));
-  std::vector<float> x(T * in), rounded(T * in);
-  for (int64_t i = 0; i < T * in; ++i) {
-    x[i] = nd(rng);
-    rounded[i] = round_to_bf16(x[i]);
-  }
-  std::vector<float> plain(T * out), expect_plain(T * out), bf(T * out), expect_bf(T * out);
-  l(x.data(), T, plain.data());
-  cpu::linear(x.data(), l.w.ptr(), expect_plain.data(), T, in, out);
-  l.bf16_inputs = true;
-  l(x.data(), T, bf.data());
-  cpu::linear(rounded.data(), l.w.ptr(), expect_bf.data(), T, in, out);
-  EXPECT_EQ(plain, expect_plain);
-  EXPECT_EQ(bf, expect_bf);
-  EXPECT_NE(bf, plain);  // the random inputs are not bf16 values, so rounding them changes the products
+// ---- --hf-overrides ----
 
-  // Loaded with the option, the model's logits move (by bf16 rounding), without it they are the fp32 reference's.
-  ModelOptions o;
-  o.bf16_activations = true;
-  const auto emulated = Model::load(tiny_dir(Arch::kimi_linear), o);
-  const auto exact = Model::load(tiny_dir(Arch::kimi_linear));
-  // The first position: later ones can differ by far more where a router choice flips.
-  const std::vector<int32_t> ids = random_ids(1, 4);
-  const double diff = rel_err(prefill_logits(*emulated, ids), prefill_logits(*exact, ids));
-  EXPECT_GT(diff, 1e-5);
-  EXPECT_LT(diff, 0.05);
+TEST(HfOverrides, MergeIntoTheConfig) {
+  const std::string dir = tiny_dir(Arch::kimi_k3);
+  const ModelConfig base = load_model_config(dir);
+  const ModelConfig two = load_model_config(dir, {{"num_hidden_layers", 2}});
+  EXPECT_EQ(two.num_hidden_layers, 2);
+  ASSERT_EQ(two.layer_kinds.size(), 2u);  // the layer lists' entries beyond layer 2 are not there
+  EXPECT_EQ(two.layer_kinds[0], base.layer_kinds[0]);
+  // Nested objects merge key by key: the other linear_attn_config fields stay.
+  const ModelConfig heads = load_model_config(dir, {{"linear_attn_config", {{"short_conv_kernel_size", 3}}}});
+  EXPECT_EQ(heads.short_conv_kernel_size, 3);
+  EXPECT_EQ(heads.kda_num_heads, base.kda_num_heads);
+  // A key the file lacks but Kestrel reads is taken.
+  const ModelConfig len = load_model_config(dir, {{"model_max_length", 1000}});
+  EXPECT_EQ(len.context_length, 1000);
+  // The model runs with fewer layers: the checkpoint's later layers are skipped like MTP layers.
+  LoadOptions lo;
+  lo.hf_overrides = {{"num_hidden_layers", 2}};
+  const auto m = load_cpu_model(dir, {}, lo);
+  EXPECT_EQ(m->layers().size(), 2u);
+  const auto logits = prefill_logits(*m, random_ids(5, 9));
+  for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(HfOverrides, UnknownKeysAndBadValuesAreNamed) {
+  const std::string dir = tiny_dir(Arch::kimi_k3);
+  auto expect_error = [&](const nlohmann::json& o, const std::string& needle) {
+    try {
+      load_model_config(dir, o);
+      FAIL() << "expected an error mentioning '" << needle << "' for " << o.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error({{"num_hiden_layers", 2}}, "num_hiden_layers");
+  expect_error({{"linear_attn_config", {{"num_headz", 2}}}}, "linear_attn_config.num_headz");
+  expect_error({{"num_hidden_layers", "two"}}, "num_hidden_layers");
+  expect_error({{"hidden_size", -1}}, "hidden_size");
+  expect_error(nlohmann::json::array({1, 2}), "--hf-overrides");
+}
+
+// ---- the context length ----
+
+TEST(ContextLength, FromTheKeysVllmReads) {
+  const std::string dir = tiny_dir(Arch::kimi_linear);
+  nlohmann::json j;
+  std::ifstream(dir + "/config.json") >> j;
+  j.erase("max_position_embeddings");
+  EXPECT_EQ(ModelConfig::from_json(j).context_length, 0);
+  j["model_max_length"] = 8192;  // what Kimi's config.json has
+  ModelConfig c = ModelConfig::from_json(j);
+  EXPECT_EQ(c.context_length, 8192);
+  EXPECT_EQ(c.context_length_key, "model_max_length");
+  j["max_position_embeddings"] = 4096;  // the least of those present, as vLLM
+  c = ModelConfig::from_json(j);
+  EXPECT_EQ(c.context_length, 4096);
+  EXPECT_EQ(c.context_length_key, "max_position_embeddings");
+  j.erase("max_position_embeddings");
+  j.erase("model_max_length");
+  for (const char* key : {"max_seq_len", "seq_length", "max_sequence_length"}) {
+    nlohmann::json k = j;
+    k[key] = 2048;
+    EXPECT_EQ(ModelConfig::from_json(k).context_length, 2048) << key;
+  }
+}
+
+// ---- --load-format dummy ----
+
+// A directory holding only the config.json of a preset.
+std::string config_only(Arch arch, const std::string& name) {
+  const std::string dir = fs::temp_directory_path() / ("kestrel_dummy_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(tiny_dir(arch) + "/config.json", dir + "/config.json");
+  return dir;
+}
+
+TEST(DummyWeights, DeterministicBySeed) {
+  for (Arch arch : {Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32}) {
+    SCOPED_TRACE(arch_name(arch));
+    const std::string dir = config_only(arch, arch_name(arch));
+    LoadOptions lo;
+    lo.load_format = "dummy";
+    lo.seed = 1;
+    const auto a = load_cpu_model(dir, {}, lo), b = load_cpu_model(dir, {}, lo);
+    lo.seed = 2;
+    const auto c = load_cpu_model(dir, {}, lo);
+    const auto ids = random_ids(12, 3);
+    const auto la = prefill_logits(*a, ids), lb = prefill_logits(*b, ids), lc = prefill_logits(*c, ids);
+    EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)));
+    EXPECT_GT(rel_err(lc, la), 0.1);
+    // Scaled so that activations stay O(1): the logits are neither saturated nor vanishing.
+    double ss = 0;
+    for (float v : la) {
+      ASSERT_TRUE(std::isfinite(v));
+      ss += double(v) * v;
+    }
+    const double rms = std::sqrt(ss / la.size());
+    EXPECT_GT(rms, 0.05);
+    EXPECT_LT(rms, 50.0);
+  }
+}
+
+TEST(DummyWeights, NotAFormat) {
+  LoadOptions lo;
+  lo.load_format = "pickle";
+  try {
+    load_cpu_model(tiny_dir(Arch::kimi_k3), {}, lo);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--load-format 'pickle'"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Presets, FullSizeParameterCounts) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "model/make_model.h"
+#include "cpu/cpu_backend.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "parallel/local_world.h"
@@ -56,7 +57,7 @@ std::string tiny_dir(Arch arch) {
 const Model& tiny_model(Arch arch, const ModelOptions& opts = {}) {
   static std::map<std::tuple<Arch, int, int>, std::unique_ptr<Model>> models;
   auto& m = models[{arch, static_cast<int>(opts.latent_cache), static_cast<int>(opts.index_keys)}];
-  if (!m) m = Model::load(tiny_dir(arch), opts);
+  if (!m) m = load_cpu_model(tiny_dir(arch), opts);
   return *m;
 }
 
@@ -141,14 +142,14 @@ Run run_unsharded(const Model& m, const Step& step) {
   return r;
 }
 
-std::vector<Run> run_sharded(const Model& m, const Step& step, int W, OutputProjection output) {
+std::vector<Run> run_sharded(const Model& m, const Step& step, int W) {
   std::vector<Run> runs(W);
   LocalWorld(W).run([&](Communicator& comm) {
     omp_set_num_threads(1);
     Run& r = runs[comm.rank()];
     r.pool = step.prefilled_pool();
     r.logits.resize(step.wanted_logits() * m.config().vocab_size);
-    r.work = token_sharded_forward(comm, m, step.batch(r.pool), r.logits.data(), output);
+    r.work = token_sharded_forward(comm, m, step.batch(r.pool), r.logits.data());
   });
   return runs;
 }
@@ -185,7 +186,7 @@ void expect_balanced_work(const Model& m, const Step& step, int W, const std::ve
 
 void expect_sharded_equals_unsharded(const Model& m, const Step& step, int W) {
   const Run ref = run_unsharded(m, step);
-  const std::vector<Run> runs = run_sharded(m, step, W, OutputProjection::replicated);
+  const std::vector<Run> runs = run_sharded(m, step, W);
   for (int r = 0; r < W; ++r) {
     EXPECT_TRUE(same_bits(runs[r].logits, ref.logits)) << "W=" << W << ": logits of rank " << r;
     EXPECT_TRUE(runs[r].pool == ref.pool) << "W=" << W << ": cache of rank " << r;
@@ -242,100 +243,6 @@ TEST(TokenShardedPrefill, OtherArchitectures) {
   }
 }
 
-// One MLA layer with the tensor-parallel output projection: each rank applies the o_proj columns of its heads and
-// the parts are summed by all_reduce_sum. Everything before o_proj is the same computation, so the difference to
-// the unsharded layer is the rounding of two orders of one sum of K = H * v_head_dim products: each is within
-// gamma_(K + W) * sum_k |o_k w_k| of the exact sum, so they differ by at most (K + W) * 2^-23 * sum_k |o_k w_k|.
-TEST(TokenShardedPrefill, HeadSplitOutputProjectionWithinFp32Rounding) {
-  const Model& m = tiny_model(Arch::kimi_k3);
-  const ModelConfig& cfg = m.config();
-  const Step step(m, kSteps[1], 400);
-  const int H = cfg.num_attention_heads, dv = cfg.v_head_dim;
-  const int64_t D = cfg.hidden_size, K = int64_t{H} * dv, V = cfg.vocab_size;
-  int first_mla = 0;
-  while (cfg.layer_kinds[first_mla] != LayerKind::mla) ++first_mla;
-  WeightLoader weights(tiny_dir(Arch::kimi_k3), cfg.weight_block_size);
-  const Tensor w_o = weights.linear("model.layers." + std::to_string(first_mla) + ".self_attn.o_proj", D, K);
-
-  // The first MLA layer's input x and attention output o (before o_proj) of the unsharded step, through the
-  // layer's phases on a copy of the cache.
-  const MlaAttention& layer = *m.layers()[first_mla].mla;
-  struct Capture : MlaStepRunner {
-    std::vector<float> x, o;
-    void run(const MlaAttention& l, const float* in, std::span<const MlaStepRequest> reqs, float* y) override {
-      const ModelConfig& c = l.config();
-      const int64_t Dm = c.hidden_size, Hd = c.num_attention_heads, dq = c.qk_head_dim(), v = c.v_head_dim;
-      int64_t N = 0;
-      for (const MlaStepRequest& r : reqs) N += r.tokens;
-      if (x.empty()) x.assign(in, in + N * Dm);
-      std::vector<float> q(N * Hd * dq), qr(N * c.q_lora_rank), out(N * Hd * v);
-      int64_t t0 = 0;
-      for (const MlaStepRequest& r : reqs) {
-        l.write_cache(in + t0 * Dm, r.tokens, r.pages);
-        l.project_queries(in + t0 * Dm, r.tokens, r.pages.pos0, 0, static_cast<int>(Hd), q.data() + t0 * Hd * dq,
-                          qr.data() + t0 * c.q_lora_rank);
-        MlaContext ctx;
-        l.read_context(r.pages, r.pages.pos0 + r.tokens, ctx);
-        for (int64_t t = 0; t < r.tokens; ++t)
-          l.attend(q.data() + (t0 + t) * Hd * dq, in + (t0 + t) * Dm, qr.data() + (t0 + t) * c.q_lora_rank,
-                   r.pages.pos0 + t, ctx, out.data() + (t0 + t) * Hd * v);
-        t0 += r.tokens;
-      }
-      if (o.empty()) o = out;
-      l.project_output(out.data(), N, 0, static_cast<int>(Hd), y);
-    }
-  } capture;
-  std::vector<uint8_t> pool = step.prefilled_pool();
-  std::vector<float> logits(step.wanted_logits() * V);
-  m.forward(step.batch(pool), logits.data(), &capture);
-  ASSERT_TRUE(same_bits(logits, run_unsharded(m, step).logits)) << "the layer's phases must compose to forward";
-  const int64_t N = static_cast<int64_t>(capture.x.size()) / D;
-
-  // The first MLA layer's pages of each request in a pool, as Model::forward names them.
-  auto layer_requests = [&](std::vector<uint8_t>& p) {
-    const StepBatch b = step.batch(p);
-    std::vector<MlaStepRequest> reqs;
-    for (const SequenceStep& s : b.seqs)
-      reqs.push_back({TokenPages{b.pool + b.plan->page_offset[first_mla], b.plan->row_bytes, b.plan->block_size,
-                                 s.block_table.data(), s.slots.data(), s.start},
-                      static_cast<int64_t>(s.ids.size())});
-    return reqs;
-  };
-  std::vector<float> y_ref(N * D);
-  std::vector<uint8_t> ref_pool = step.prefilled_pool();
-  int64_t t0 = 0;
-  for (const MlaStepRequest& r : layer_requests(ref_pool)) {
-    layer.forward(capture.x.data() + t0 * D, r.tokens, r.pages, y_ref.data() + t0 * D);
-    t0 += r.tokens;
-  }
-
-  for (int W : {2, 3, 4}) {
-    std::vector<uint8_t> any_pool = step.prefilled_pool();
-    const TokenShardPlan plan = token_shard_plan(step.batch(any_pool), W);
-    std::vector<std::vector<float>> y(W, std::vector<float>(N * D));
-    LocalWorld(W).run([&](Communicator& comm) {
-      omp_set_num_threads(1);
-      std::vector<uint8_t> own = step.prefilled_pool();
-      TokenShardedMla runner(comm, plan, OutputProjection::head_split);
-      runner.run(layer, capture.x.data(), layer_requests(own), y[comm.rank()].data());
-    });
-    double worst = 0;
-    for (int r = 0; r < W; ++r) {
-      ASSERT_TRUE(same_bits(y[r], y[0])) << "every rank holds the same sum";
-      for (int64_t t = 0; t < N; ++t)
-        for (int64_t d = 0; d < D; ++d) {
-          double abs_sum = 0;
-          for (int64_t k = 0; k < K; ++k) abs_sum += std::abs(double(capture.o[t * K + k]) * w_o.ptr()[d * K + k]);
-          const double bound = double(K + W) * std::ldexp(1.0, -23) * abs_sum;
-          const double err = std::abs(double(y[r][t * D + d]) - y_ref[t * D + d]);
-          ASSERT_LE(err, bound) << "W=" << W << " token " << t << " output " << d;
-          if (bound > 0) worst = std::max(worst, err / bound);
-        }
-    }
-    std::printf("W=%d: head-split o_proj, worst error / bound = %.3g\n", W, worst);
-  }
-}
-
 TEST(TokenShardedPrefill, RejectsAStepThatIsNotThePlans) {
   const Model& m = tiny_model(Arch::kimi_k3);
   int first_mla = 0;
@@ -343,10 +250,13 @@ TEST(TokenShardedPrefill, RejectsAStepThatIsNotThePlans) {
   const std::vector<PrefillRequest> planned = {{0, 5}};
   const TokenShardPlan plan(planned, 2);
   LocalWorld(2).run([&](Communicator& comm) {
-    TokenShardedMla runner(comm, plan, OutputProjection::replicated);
+    TokenShardedMla runner(comm, plan);
     const std::vector<MlaStepRequest> reqs = {{TokenPages{}, 6}};
-    std::vector<float> x(6 * m.config().hidden_size), y(x.size());
-    EXPECT_THROW(runner.run(*m.layers()[first_mla].mla, x.data(), reqs, y.data()), Error);
+    const ModelConfig& c = m.config();
+    std::vector<float> x(6 * c.hidden_size), qr(6 * c.q_lora_rank), q(6 * c.num_attention_heads * c.qk_head_dim()),
+        kv(6 * (c.kv_lora_rank + c.qk_rope_head_dim)), o(6 * c.num_attention_heads * c.v_head_dim);
+    const MlaCore& core = dynamic_cast<const CpuBackend&>(m.backend()).mla(m.layers()[first_mla].mla->attn);
+    EXPECT_THROW(runner.run(core, x.data(), qr.data(), q.data(), kv.data(), reqs, o.data()), Error);
   });
 }
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "cpu/cpu_backend.h"
 #include "model/make_model.h"
 #include "server/api_error.h"
 #include "server/engine_loop.h"
@@ -22,7 +23,7 @@ const Model& tiny_model() {
     const std::string dir = std::filesystem::temp_directory_path() /
                             ("kestrel_server_test_" + std::to_string(::getpid()));
     if (!std::filesystem::exists(dir + "/config.json")) make_model(find_preset(Arch::kimi_k3, "tiny"), dir, 3);
-    return Model::load(dir);
+    return load_cpu_model(dir);
   }();
   return *m;
 }

@@ -167,32 +167,5 @@ TEST(OutputParser, PromptOpenedReasoning) {
   EXPECT_EQ(d.content, "answer");
 }
 
-TEST(OutputParser, NamedToolChoiceStartsInsideTheCall) {
-  for (const ParserFormat f : {ParserFormat::kimi_k3, ParserFormat::deepseek_v32}) {
-    ParserOptions o;
-    o.tools = f;
-    o.tool_start = ToolStart::named;
-    o.tool_name = "get_weather";
-    o.call_id_prefix = "call_y_";
-    const std::string rest = f == ParserFormat::kimi_k3
-                                 ? "{\"city\": \"Oslo\"}<|tool_call_end|><|tool_calls_section_end|>"
-                                 : "<｜DSML｜parameter name=\"city\" string=\"true\">Oslo</｜DSML｜parameter>\n"
-                                   "</｜DSML｜invoke>\n</｜DSML｜function_calls>";
-    const OutputDelta d = parse_whole(o, rest);
-    ASSERT_EQ(d.tool_calls.size(), 1u);
-    EXPECT_EQ(d.tool_calls[0].name, "get_weather");
-    EXPECT_EQ(d.tool_calls[0].id, f == ParserFormat::kimi_k3 ? "functions.get_weather:0" : "call_y_0");
-    EXPECT_EQ(d.tool_calls[0].arguments, f == ParserFormat::kimi_k3 ? "{\"city\": \"Oslo\"}" : "{\"city\":\"Oslo\"}");
-    EXPECT_TRUE(d.content.empty());
-    // The prefill the server appends renders the same markup the parser then continues from.
-    ParserOptions free;
-    free.tools = f;
-    const OutputDelta full = parse_whole(free, tool_prefill(f, ToolStart::named, "get_weather") + rest);
-    ASSERT_EQ(full.tool_calls.size(), 1u);
-    EXPECT_EQ(full.tool_calls[0].name, "get_weather");
-    EXPECT_EQ(full.tool_calls[0].arguments, d.tool_calls[0].arguments);
-  }
-}
-
 }  // namespace
 }  // namespace kestrel::server

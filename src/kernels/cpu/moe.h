@@ -19,4 +19,10 @@ struct MoeRouting {
 // highest biased scores and the best topk_group groups survive (ties to the lower group).
 void moe_route(const float* logits, const float* bias, const MoeRouting& r, int32_t* ids, float* weights);
 
+// How close moe_route's choice for these logits is to changing: the smallest gap, in biased score, at a boundary it
+// draws -- between the last chosen and the first unchosen candidate, and (grouped routing) between the last
+// surviving and the first dropped group's score. A perturbation of the scores smaller than half of it cannot change
+// the chosen set. +infinity where nothing is left out.
+float moe_route_margin(const float* logits, const float* bias, const MoeRouting& r);
+
 }  // namespace kestrel::cpu

@@ -1,5 +1,5 @@
 // DeepSeek Sparse Attention on the GPU, decode: the index-key writer, indexer scoring over paged index keys, the
-// exact top-k with the CPU reference's tie rule, and sparse MLA over an FP8 latent. Same functions as
+// exact top-k with the CPU reference's tie rule, and sparse MLA over an FP8 or bf16 latent. Same functions as
 // kestrel::cpu::quantize_fp8_ue8m0 / indexer_scores / topk_indices / mla_attend_absorbed (src/core/formats.h,
 // src/kernels/cpu/attention.h), over plain pages (shared/spec/CACHE.md). docs/dsa-kernels.md explains the
 // numerics and the kernels.
@@ -8,8 +8,8 @@
 // (page_stride is the packed cache's row size, or the page size itself for a plain per-layer pool) and holds
 // page_size consecutive tokens of one request. An index-key page holds page_size * 128 e4m3 codes, then page_size
 // fp32 scales. A latent page holds page_size rows of 576 e4m3 codes (Kimi's layout: [c (512) ; k_pe (64)], one fp32
-// scale per layer), or, for sparse_mla_decode with SparseMlaEntry::v32_fp8, page_size rows of deepseek_v32's 656-byte
-// entry. Request r's token at position t lives in page block_table[r * block_table_stride + t / page_size], row
+// scale per layer), or, for sparse_mla_decode with SparseMlaEntry::v32_fp8 / bf16, page_size rows of deepseek_v32's
+// 656-byte entry / of the 1152-byte bf16 entry. Request r's token at position t lives in page block_table[r * block_table_stride + t / page_size], row
 // t % page_size.
 //
 // Decode rows. A decode step has `batch` requests with n_q query tokens each (n_q > 1: speculative tokens); the
@@ -113,15 +113,19 @@ void topk_decode(const float* scores, int64_t score_stride, int batch, int n_q, 
                  cudaStream_t stream);
 
 // ---------------------------------------------------------------- sparse MLA decode
-// The latent entry sparse_mla_decode reads (each value as MlaAttention::read_latent decodes it).
+// The latent entry sparse_mla_decode reads (each value as MlaCore::read_latent decodes it).
 enum class SparseMlaEntry {
   kimi_fp8,  // 576 e4m3 codes [c ; k_pe]; value = code * kv_scale
   // deepseek_v32 (v32_glue.h, v32_latent_entry_bytes(512, 64)): 512 e4m3 codes in 4 tiles of 128, the 4 tiles'
   // fp32 scales, then k_pe as 64 bf16 values; value = fp32(code * tile scale) for c, the bf16 value for k_pe;
   // kv_scale is not applied.
   v32_fp8,
+  // The bf16 entry (mla_glue.h: mla_latent_write_bf16; --kv-cache-dtype auto): 576 bf16 values [c ; k_pe], 1152
+  // bytes; value = bf16_to_f32(bits); no scale: kv_scale is not applied.
+  bf16,
 };
-constexpr int kV32LatentEntryBytes = 656;  // 512 codes + 4 * 4 scale bytes + 64 * 2 tail bytes
+constexpr int kV32LatentEntryBytes = 656;   // 512 codes + 4 * 4 scale bytes + 64 * 2 tail bytes
+constexpr int kBf16LatentEntryBytes = 1152;  // 576 bf16 values
 
 // Which kernel sparse_mla_decode runs; both meet the contract below. On an H200 the wgmma kernel is 1.41x the
 // mma.sync kernel at B = 32 and 1.56x at B = 64 (H = 128, 128K; bench/results/gpu_h200_session5.md). Session 4
@@ -142,10 +146,10 @@ struct SparseMlaDecodeArgs {
   const int32_t* indices = nullptr;  // [batch * n_q, k] request-relative positions; < 0 or >= ctx_lens[r]: skipped
   int k = 0;
   const int32_t* ctx_lens = nullptr;  // [batch]
-  Pages latent_pages;                 // one `entry` per token: 576 or kV32LatentEntryBytes bytes
+  Pages latent_pages;  // one `entry` per token: 576, kV32LatentEntryBytes or kBf16LatentEntryBytes bytes
   SparseMlaEntry entry = SparseMlaEntry::kimi_fp8;
   BlockTable block_table;
-  float kv_scale = 1.0f;       // kimi_fp8: the layer's latent scale (value = code * kv_scale); v32_fp8: not used
+  float kv_scale = 1.0f;       // kimi_fp8: the layer's latent scale (value = code * kv_scale); v32_fp8, bf16: not used
   float softmax_scale = 0.0f;  // scores are (q . row) * softmax_scale
   float* out = nullptr;        // [batch * n_q, heads, 512] fp32
   float* lse = nullptr;        // [batch * n_q, heads] fp32, natural log; -inf for a row with no valid index
@@ -160,7 +164,8 @@ size_t sparse_mla_decode_workspace_bytes(int batch, int n_q, int heads, int k);
 // bf16 tensor-core products with fp32 accumulation; the probabilities are rounded to bf16 for the value product.
 // Every decoded value enters the products exactly: kimi_fp8 multiplies the codes (bf16-exact) and applies kv_scale
 // to the fp32 scores and outputs; v32_fp8 rounds fp32(code * tile scale) to bf16, exact when the scale is a power of
-// two (what the writer, quantize_fp8_ue8m0, stores) and the product is a normal fp32 number. Bound against
+// two (what the writer, quantize_fp8_ue8m0, stores) and the product is a normal fp32 number; bf16 entries are the
+// operands as stored. Bound against
 // cpu::mla_attend_absorbed on the same bf16 query and the dequantised rows (docs/dsa-kernels.md, tested):
 // |out - ref| <= 2^-8 * max |value| over the attended rows (+ fp32 rounding), |lse - ref| <= 1e-4 (1 + |ref|).
 // latent_pages.base, q_abs and the workspace must be 16-byte aligned, out 16-byte (8-byte when the index lists are

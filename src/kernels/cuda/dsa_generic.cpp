@@ -18,7 +18,7 @@ constexpr int64_t kMaxVectors = int64_t{INT_MAX} * 8;  // the prep kernels: 8 ve
 
 bool power_of_two(int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
 
-// fp32(n^-1/2), computed as MlaAttention::select does (in double, rounded once).
+// fp32(n^-1/2), computed as MlaCore::select does (in double, rounded once).
 float inv_sqrt(int n) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
 
 bool aligned4(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }

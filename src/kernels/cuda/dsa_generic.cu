@@ -52,7 +52,7 @@ __device__ float hadamard_quantize_warp(const float* __restrict__ x, int D, floa
   return s;
 }
 
-// Vector v = t * heads + j of q; its folded weight as MlaAttention::select: ((w * c_heads) * q_scale) * c_dim, where
+// Vector v = t * heads + j of q; its folded weight as MlaCore::select: ((w * c_heads) * q_scale) * c_dim, where
 // c_dim = fp32(D^-1/2) is also the Hadamard norm.
 __global__ __launch_bounds__(kPrepThreads) void query_prep_kernel(const float* __restrict__ q,
                                                                   const float* __restrict__ raw_weights,

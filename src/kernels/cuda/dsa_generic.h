@@ -1,7 +1,7 @@
 // The DSA indexer's GPU pieces for any power-of-two head dimension D and any number of heads H_I, where the fast
 // kernels of dsa.h take only D = 128 (and, for the scores, H_I = 32 or 64): query preparation (Hadamard rotation,
 // per-head FP8 quantisation and the folded head weights), the index-key writer and the exact scores. Each is bit
-// for bit the CPU reference (MlaAttention::select / write_cache in src/model/layers.cpp over hadamard_inplace,
+// for bit the CPU reference (MlaCore::select / write_cache in src/cpu/mla_core.cpp over hadamard_inplace,
 // quantize_fp8_ue8m0 and indexer_scores of src/kernels/cpu/attention.h and src/core/formats.h); their outputs are
 // what topk_decode (dsa.h) takes, for any D.
 //
@@ -33,7 +33,7 @@ constexpr int kMinGenericIndexScoreDim = 4;
 constexpr int kMaxGenericIndexScoreDim = 256;
 constexpr int kMaxGenericIndexQueryBytes = 8192;
 
-// The indexer queries of T tokens, as MlaAttention::select prepares them, for every head j of every token t:
+// The indexer queries of T tokens, as MlaCore::select prepares them, for every head j of every token t:
 // v = hadamard(q[t, j]) (Sylvester order, butterflies in fp32, then times fp32(D^-1/2)); codes[t, j] and q_scale =
 // quantize_fp8_ue8m0(v) (amax floored at 1e-4, power-of-two scale rounded up, e4m3 round-to-nearest-even);
 // weights[t, j] = ((raw_weights[t, j] * fp32(H_I^-1/2)) * q_scale) * fp32(D^-1/2), fp32 products in that order.
@@ -43,7 +43,7 @@ constexpr int kMaxGenericIndexQueryBytes = 8192;
 void index_query_prep(const float* q, const float* raw_weights, int64_t T, int heads, int head_dim, uint8_t* codes,
                       float* weights, cudaStream_t s);
 
-// The index keys of T tokens into their page slots, as MlaAttention::write_cache does after the LayerNorm (and
+// The index keys of T tokens into their page slots, as MlaCore::write_cache does after the LayerNorm (and
 // RoPE): hadamard as above, then codes and scale = quantize_fp8_ue8m0, the codes at row * head_dim of the slot's
 // page and the scale at page_size * head_dim + 4 * row. keys: [T, head_dim] fp32; slots[t] (int64) = page *
 // page_size + row, negative: token t is skipped. head_dim a power of two <= kMaxGenericIndexPrepDim; page_size a
@@ -62,7 +62,7 @@ void index_key_write_generic(const float* keys, int64_t T, int head_dim, const i
 // [kMinGenericIndexScoreDim, kMaxGenericIndexScoreDim], heads * head_dim <= kMaxGenericIndexQueryBytes;
 // batch <= 65535; index pages with page_size * head_dim a multiple of 4.
 // keys: the index pages' format (fp4_cache.h). An MXFP4 key (head_dim >= 32) is first turned into D e4m3 codes and
-// one scale exactly as mxfp4_key_as_fp8 (src/model/layers.cpp) does, the form MlaAttention scores it in; the scores
+// one scale exactly as mxfp4_key_as_fp8 (src/cpu/mla_core.cpp) does, the form MlaCore scores it in; the scores
 // are then those of the FP8 key those codes and that scale make, bit for bit as the CPU's.
 void index_scores_generic(const IndexQueries& queries, int head_dim, const Pages& index_pages,
                           const BlockTable& block_table, const int32_t* ctx_lens, int max_ctx_len, float* scores,

@@ -1,5 +1,6 @@
-// Sparse MLA decode over an FP8 latent: Kimi's 576-byte rows (576 e4m3 codes, one fp32 scale per layer) or
-// deepseek_v32's 656-byte rows (512 e4m3 codes in 4 tiles of 128, the tiles' fp32 scales, 64 bf16 rope values).
+// Sparse MLA decode over an FP8 or bf16 latent: Kimi's 576-byte rows (576 e4m3 codes, one fp32 scale per layer),
+// deepseek_v32's 656-byte rows (512 e4m3 codes in 4 tiles of 128, the tiles' fp32 scales, 64 bf16 rope values) or the
+// 1152-byte bf16 rows (576 bf16 values, no scale).
 //
 // CTA: 256 threads (8 warps) for one query row, 64 heads and one split of the row's index list, walked in tiles
 // of 32 indices. Warp w owns heads 16 (w % 4) .. +15 and half h = w / 4 of the work: for the scores it multiplies
@@ -7,11 +8,12 @@
 // added through shared memory in one fixed order, so both warps see the same scores), for the output it owns value
 // columns 256 h .. 256 h + 255 (a 16 x 256 fp32 accumulator in registers).
 //
-// Per tile: the 32 selected latent rows are gathered with cp.async into an FP8 staging buffer (two buffers: the
-// next tile is in flight while this one is used; invalid indices are zero-filled and masked), converted to bf16
-// into a padded tile that ldmatrix reads conflict-free (Kimi: the codes, exact since every e4m3 value is a bf16
-// value, kv_scale applied to the fp32 scores and outputs; deepseek_v32: fp32(code * tile scale) as read_latent
-// computes it, rounded to bf16 -- exact for the writer's power-of-two scales -- and the bf16 tail copied), then
+// Per tile: the 32 selected latent rows are gathered with cp.async into a staging buffer (two buffers: the next tile
+// is in flight while this one is used; invalid indices are zero-filled and masked), converted to bf16 into a padded
+// tile that ldmatrix reads conflict-free (Kimi: the codes, exact since every e4m3 value is a bf16 value, kv_scale
+// applied to the fp32 scores and outputs; deepseek_v32: fp32(code * tile scale) as read_latent computes it, rounded
+// to bf16 -- exact for the writer's power-of-two scales -- and the bf16 tail copied; bf16 rows: copied as they are,
+// since a staged row of 1152 bytes puts the 8 rows of an ldmatrix on the same banks), then
 // S = Q K^T (bf16 MMA, fp32 accumulate), an online softmax in the log2 domain (with the -inf guards that keep
 // rows without any valid index at 0), P rounded to bf16, O += P V; the normaliser sums the unrounded P. The query tile stays in shared memory.
 //
@@ -61,6 +63,8 @@ struct MlaSmem {
   const uint8_t* src[3][kTile];
 };
 
+static_assert(sizeof(MlaSmem<kBf16LatentEntryBytes>) <= 227 * 1024, "one CTA per multiprocessor must fit");
+
 struct MlaParams {
   const uint16_t* q;
   int n_q;
@@ -80,7 +84,7 @@ struct MlaParams {
   float* part_lse;  // [rows * heads, splits]
 };
 
-// The staged FP8 rows of a tile -> bf16 rows of `kv`, each value as MlaAttention::read_latent decodes it (Kimi's
+// The staged rows of a tile -> bf16 rows of `kv`, each value as MlaCore::read_latent decodes it (Kimi's
 // without kv_scale, which the caller applies to the fp32 scores and outputs).
 template <int kEntryBytes>
 __device__ __forceinline__ void convert_tile(const uint8_t (&stage)[kTile][kEntryBytes],
@@ -99,6 +103,12 @@ __device__ __forceinline__ void convert_tile(const uint8_t (&stage)[kTile][kEntr
       uint4* dst = reinterpret_cast<uint4*>(&kv[key][chunk * 16]);
       dst[0] = make_uint4(b[0], b[1], b[2], b[3]);
       dst[1] = make_uint4(b[4], b[5], b[6], b[7]);
+    }
+  } else if constexpr (kEntryBytes == kBf16LatentEntryBytes) {
+    constexpr int kRowChunks = kBf16LatentEntryBytes / 16;
+    for (int u = tid; u < kTile * kRowChunks; u += kThreads) {
+      const int key = u / kRowChunks, chunk = u % kRowChunks;
+      *reinterpret_cast<uint4*>(&kv[key][chunk * 8]) = *reinterpret_cast<const uint4*>(&stage[key][chunk * 16]);
     }
   } else {
     static_assert(kEntryBytes == kV32LatentEntryBytes);
@@ -414,16 +424,18 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
   if (rows == 0) return;
   require(a.q_abs && a.indices && a.ctx_lens && a.block_table.pages && a.out && a.lse,
           "sparse_mla_decode: a device pointer is missing");
-  require(a.entry == SparseMlaEntry::kimi_fp8 || a.entry == SparseMlaEntry::v32_fp8,
+  require(a.entry == SparseMlaEntry::kimi_fp8 || a.entry == SparseMlaEntry::v32_fp8 ||
+              a.entry == SparseMlaEntry::bf16,
           "sparse_mla_decode: unknown latent entry layout");
   require(reinterpret_cast<uintptr_t>(a.latent_pages.base) % 16 == 0,
           "sparse_mla_decode: the latent pages' base must be 16-byte aligned (rows are copied in 16-byte pieces)");
-  const bool v32 = a.entry == SparseMlaEntry::v32_fp8;
-  require(a.latent_pages.page_stride >= int64_t{a.latent_pages.page_size} * (v32 ? kV32LatentEntryBytes : kLatentDim),
+  const bool v32 = a.entry == SparseMlaEntry::v32_fp8, bf16 = a.entry == SparseMlaEntry::bf16;
+  const int entry_bytes = v32 ? kV32LatentEntryBytes : bf16 ? kBf16LatentEntryBytes : kLatentDim;
+  require(a.latent_pages.page_stride >= int64_t{a.latent_pages.page_size} * entry_bytes,
           "sparse_mla_decode: a latent page of " + std::to_string(a.latent_pages.page_stride) +
               " bytes is smaller than its page_size rows of the entry layout");
-  // deepseek_v32's values carry their tile scales; its kv_scale is not used.
-  const float kv_scale = v32 ? 1.0f : a.kv_scale;
+  // deepseek_v32's values carry their tile scales and bf16 entries have none: kv_scale is not used.
+  const float kv_scale = v32 || bf16 ? 1.0f : a.kv_scale;
   require(std::isfinite(kv_scale) && kv_scale > 0.0f && std::isfinite(a.softmax_scale),
           "sparse_mla_decode: kv_scale must be finite and > 0 and softmax_scale finite");
   const Split sp = choose_split(rows, a.heads, a.k);
@@ -470,6 +482,8 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& a, void* workspace, size_t wor
     launch_sparse_mla_wgmma(a, kv_scale, {sp.splits, sp.tiles_per_split, p.part_o, p.part_lse}, stream);
   } else if (v32) {
     launch_sparse_mla_kernel<kV32LatentEntryBytes>(grid, p, stream);
+  } else if (bf16) {
+    launch_sparse_mla_kernel<kBf16LatentEntryBytes>(grid, p, stream);
   } else {
     launch_sparse_mla_kernel<kLatentDim>(grid, p, stream);
   }

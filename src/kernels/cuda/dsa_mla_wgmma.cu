@@ -1,7 +1,7 @@
-// Sparse MLA decode over an FP8 latent on Hopper warpgroup MMAs (wgmma, sm_90a): the kernel sparse_mla_decode runs
-// on a compute capability 9.0 GPU. Same contract as the mma.sync kernel in dsa_mla.cu (dsa.h): bf16 products of the
-// exact bf16 query and the exactly decoded latent values, fp32 accumulation, P rounded to bf16 for the value
-// product, the normaliser summing the unrounded P.
+// Sparse MLA decode over an FP8 or bf16 latent on Hopper warpgroup MMAs (wgmma, sm_90a): the kernel
+// sparse_mla_decode runs on a compute capability 9.0 GPU. Same contract as the mma.sync kernel in dsa_mla.cu (dsa.h):
+// bf16 products of the exact bf16 query and the exactly decoded latent values, fp32 accumulation, P rounded to bf16
+// for the value product, the normaliser summing the unrounded P.
 //
 // CTA: 256 threads = two warpgroups, for 64 heads of one query row (rows past the row's heads are zero queries,
 // never stored) and one split of the row's index list, walked in tiles of 32 indices. With H = 128 two CTAs of the
@@ -19,14 +19,16 @@
 //    and outputs); deepseek_v32: fp32(code * tile scale) rounded to bf16 (exact for the writer's power-of-two
 //    scales) and the bf16 tail copied. deepseek_v32's tile scales sit in one 16-byte piece that both warpgroups
 //    need: each copies it into a place of its own, so a warpgroup only ever waits for itself (named barriers of
-//    128 threads around its conversion; the CTA-wide barrier is the score exchange).
+//    128 threads around its conversion; the CTA-wide barrier is the score exchange). bf16 entries need no
+//    conversion: as in the dense kernel's bf16 path, each warpgroup copies its chunks of a row straight into their
+//    swizzled places in one of three operand tiles, three tiles ahead (the staging buffer would not fit beside them).
 // The row addresses of a tile (index -> block table -> page -> row; nullptr for an index < 0 or >= ctx_lens[r])
 // are computed by warp 0 five tiles ahead: the index is loaded one tile before its page number, and the address is
 // stored after the next CTA barrier, so neither load stalls the warpgroup. A skipped index has a zero row and a
 // -inf score.
 // Iteration i issues O += P_i V_i and the scores of tile i + 1 back to back; once the value product is done, tile
-// i + 2 is converted into its buffer while the scores run; then the softmax of tile i + 1 (online, in the log2
-// domain). No wgmma is in flight across iterations.
+// i + 2 is converted into its buffer (bf16: the copies of tile i + 3 issued into it) while the scores run; then the
+// softmax of tile i + 1 (online, in the log2 domain). No wgmma is in flight across iterations.
 // The running maximum is raised whenever a tile's exceeds it, as in the mma.sync kernel, so the largest score of a
 // split always gets P = 1, exact in bf16. A lazy maximum (raised only past a slack of 8, to rescale O rarely) made
 // that probability 2^d, 0 < d <= 8, rounded to bf16 (up to 2^-9 relative): with a peaked softmax that is an error of
@@ -67,19 +69,24 @@ constexpr int kV32TailOffset = kV32ScaleOffset + 16;
 static_assert(kV32TailOffset + (kLatentDim - kLatentValueDim) * 2 == kV32LatentEntryBytes);
 
 // Shared memory, from a 1024-byte aligned base (the swizzle atoms of the operands must be aligned). A staged
-// deepseek_v32 row has 16 bytes more than the entry: warpgroup 0's copy of the scales.
-template <bool kV32>
+// deepseek_v32 row has 16 bytes more than the entry: warpgroup 0's copy of the scales. bf16 entries have three
+// operand tiles and no staging.
+template <SparseMlaEntry kEntry>
 struct Layout {
+  static constexpr bool kV32 = kEntry == SparseMlaEntry::v32_fp8;
+  static constexpr int kOpBufs = kEntry == SparseMlaEntry::bf16 ? 3 : 2;
   static constexpr int kStageRow = kV32 ? kV32LatentEntryBytes + 16 : kLatentDim;
-  static constexpr int kStageBytes = kTile * kStageRow;
+  static constexpr int kStageBytes = kEntry == SparseMlaEntry::bf16 ? 0 : kTile * kStageRow;
   static constexpr int q = 0;
-  static constexpr int op = q + kQBytes;  // two operand tiles
-  static constexpr int stage = op + 2 * kKBytes;
+  static constexpr int op = q + kQBytes;  // the operand tiles
+  static constexpr int stage = op + kOpBufs * kKBytes;
   static constexpr int xch = stage + 2 * kStageBytes;
   static constexpr int addr = xch + kXchBytes;  // row pointers [kAddrSlots][32]
   static constexpr int bytes = addr + kAddrSlots * kTile * 8;
 };
-static_assert(Layout<true>::bytes + 1024 <= 227 * 1024, "one CTA per multiprocessor must fit");
+static_assert(Layout<SparseMlaEntry::v32_fp8>::bytes + 1024 <= 227 * 1024 &&
+                  Layout<SparseMlaEntry::bf16>::bytes + 1024 <= 227 * 1024,
+              "one CTA per multiprocessor must fit");
 
 struct Params {
   const uint16_t* q;
@@ -132,6 +139,12 @@ template <bool kV32, int WG>
 constexpr int kCopyPieces = kV32 ? (WG == 0 ? 17 : 25) : (WG == 0 ? 16 : 20);
 template <bool kV32, int WG>
 constexpr int kConvertUnits = kV32 ? (WG == 0 ? 16 : 24) : (WG == 0 ? 16 : 20);
+// bf16 entries: the 16-byte chunks kBf16Chunk0 .. + kBf16Chunks - 1 of a row (8 values each: chunk c is dims 8c ..
+// 8c + 7, chunk c % 8 of column block c / 8) that warpgroup WG copies: its column blocks 0-3 or 4-8.
+template <int WG>
+constexpr int kBf16Chunk0 = WG == 0 ? 0 : 32;
+template <int WG>
+constexpr int kBf16Chunks = WG == 0 ? 32 : 40;
 // Where warpgroup WG reads deepseek_v32's scales in a staged row.
 template <int WG>
 constexpr int kScaleAt = WG == 0 ? kV32LatentEntryBytes : kV32ScaleOffset;
@@ -149,9 +162,11 @@ __device__ __forceinline__ int index_at(const Params& p, const int32_t* row_indi
   return local < tiles && j < p.k ? row_indices[j] : -1;
 }
 
-template <bool kV32>
+template <SparseMlaEntry kEntry>
 __device__ __forceinline__ const uint8_t* row_address(const Params& p, int page, int pos) {
-  constexpr int kEntryBytes = kV32 ? kV32LatentEntryBytes : kLatentDim;
+  constexpr int kEntryBytes = kEntry == SparseMlaEntry::v32_fp8 ? kV32LatentEntryBytes
+                              : kEntry == SparseMlaEntry::bf16  ? kBf16LatentEntryBytes
+                                                                : kLatentDim;
   return p.pages.base + int64_t{page} * p.pages.page_stride + int64_t{pos & (p.pages.page_size - 1)} * kEntryBytes;
 }
 
@@ -171,10 +186,11 @@ __device__ __forceinline__ void load_query(const Params& p, uint8_t* q_s, int ro
 
 // The tile loop of warpgroup WG (see the file comment): `tiles` tiles from tile t_begin of query row `row`'s list.
 // `pending` (warp 0 of WG 0): this lane's index of local tile kAddrAhead.
-template <bool kV32, int WG>
+template <SparseMlaEntry kEntry, int WG>
 __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, int head0, int heads_here, int split,
                                        int ctx, int t_begin, int tiles, int pending) {
-  using L = Layout<kV32>;
+  constexpr bool kV32 = kEntry == SparseMlaEntry::v32_fp8, kBf16 = kEntry == SparseMlaEntry::bf16;
+  using L = Layout<kEntry>;
   constexpr int kCopy = kCopyPieces<kV32, WG>;
   constexpr int kUnits = kConvertUnits<kV32, WG>;
   const int wt = threadIdx.x - 128 * WG;
@@ -187,26 +203,38 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
   const int req = row / p.n_q;
   const int32_t* row_indices = p.indices + int64_t{row} * p.k;
 
-  // Issues this warpgroup's copies of local tile `local` into staging slot local % 2 (always commits a group, empty
-  // past the last tile).
+  // Issues this warpgroup's copies of local tile `local` into staging slot local % 2 (bf16: straight into their
+  // swizzled places in operand buffer local % 3); always commits a group, empty past the last tile.
   auto issue = [&](int local) {
     if (local < tiles) {
       const uint8_t* const* rows = addr + (local % kAddrSlots) * kTile;
-      uint8_t* st = stage_s + (local & 1) * L::kStageBytes;
+      if constexpr (kBf16) {
+        uint8_t* ob = op_s + (local % 3) * kKBytes;
+        static_assert(kTile * kBf16Chunks<WG> % 128 == 0);
 #pragma unroll
-      for (int j = 0; j < (kTile * kCopy + 127) / 128; ++j) {
-        const int u = wt + 128 * j;
-        if (kTile * kCopy % 128 != 0 && u >= kTile * kCopy) break;
-        const int r = u / kCopy, c = u % kCopy;
-        int src_off = (kFirstPiece<WG> + c) * 16, dst_off = src_off;
-        if constexpr (kV32 && WG == 0) {
-          if (c == kCopy - 1) {
-            src_off = kV32ScaleOffset;
-            dst_off = kScaleAt<0>;
-          }
+        for (int j = 0; j < kTile * kBf16Chunks<WG> / 128; ++j) {
+          const int u = wt + 128 * j, r = u / kBf16Chunks<WG>, c = kBf16Chunk0<WG> + u % kBf16Chunks<WG>;
+          const uint8_t* src = rows[r];
+          cp_async_16(ob + (c >> 3) * kKBlock + r * 128 + (((c & 7) ^ (r & 7)) << 4),
+                      src ? src + c * 16 : p.pages.base, src ? 16 : 0);
         }
-        const uint8_t* src = rows[r];
-        cp_async_16(st + r * L::kStageRow + dst_off, src ? src + src_off : p.pages.base, src ? 16 : 0);
+      } else {
+        uint8_t* st = stage_s + (local & 1) * L::kStageBytes;
+#pragma unroll
+        for (int j = 0; j < (kTile * kCopy + 127) / 128; ++j) {
+          const int u = wt + 128 * j;
+          if (kTile * kCopy % 128 != 0 && u >= kTile * kCopy) break;
+          const int r = u / kCopy, c = u % kCopy;
+          int src_off = (kFirstPiece<WG> + c) * 16, dst_off = src_off;
+          if constexpr (kV32 && WG == 0) {
+            if (c == kCopy - 1) {
+              src_off = kV32ScaleOffset;
+              dst_off = kScaleAt<0>;
+            }
+          }
+          const uint8_t* src = rows[r];
+          cp_async_16(st + r * L::kStageRow + dst_off, src ? src + src_off : p.pages.base, src ? 16 : 0);
+        }
       }
     }
     cp_async_commit();
@@ -268,12 +296,21 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
     issue(local + 2);
   };
 
-  // Operand tile t sits in buffer t % 2, its raw rows in staging slot t % 2 from two tiles before its conversion.
-  // Every step commits one cp.async group.
-  issue(0);
-  issue(1);
-  cp_async_wait<1>();
-  convert_and_refill(0);
+  // Operand tile t sits in buffer t % 2, its raw rows in staging slot t % 2 from two tiles before its conversion;
+  // bf16: in buffer t % 3, copied three tiles ahead. Every step commits one cp.async group.
+  if constexpr (kBf16) {
+    issue(0);
+    issue(1);
+    issue(2);
+    cp_async_wait<2>();  // this thread's copies of tile 0
+    fence_proxy_async_smem();
+    bar_sync_warpgroup<WG>();
+  } else {
+    issue(0);
+    issue(1);
+    cp_async_wait<1>();
+    convert_and_refill(0);
+  }
 
   const int r_lo = 16 * warp + (lane >> 2);  // this thread's accumulator rows r_lo and r_lo + 8
   float o[128];
@@ -287,7 +324,12 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
 
   // Partial scores of local tile `local` into sc (issued, not committed).
   auto scores = [&](int local) {
-    const uint8_t* kb = op_s + (local & 1) * kKBytes;
+    const uint8_t* kb;
+    if constexpr (kBf16) {
+      kb = op_s + (local % 3) * kKBytes;
+    } else {
+      kb = op_s + (local & 1) * kKBytes;
+    }
 #pragma unroll
     for (int ks = kStep0<WG>; ks < kStep1<WG>; ++ks) {
       const int b = ks >> 2, kk = ks & 3;
@@ -318,7 +360,7 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
     bar_sync_cta();
     if (WG == 0 && warp == 0)
       addr[((local + kAddrAhead) % kAddrSlots) * kTile + lane] =
-          ahead_pos >= 0 ? row_address<kV32>(p, ahead_page, ahead_pos) : nullptr;
+          ahead_pos >= 0 ? row_address<kEntry>(p, ahead_page, ahead_pos) : nullptr;
     const uint8_t* const* rows = addr + (local % kAddrSlots) * kTile;
 
     // x[4k + e]: head row r_lo + 8 (e / 2), index 8k + 2 tq + (e % 2) of the tile; scores in the log2 domain.
@@ -341,24 +383,34 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
                              [](float lo, float hi) { return pack_bf16(lo, hi); });
   };
 
-  // Tile 0's scores, with tile 1 converted meanwhile.
+  // Tile 0's scores, with tile 1 converted meanwhile (bf16: tile 1's copies landed and published by the barrier in
+  // softmax(0)).
   if (tiles > 0) {
     prefetch(0);
     wgmma_fence();
     scores(0);
     wgmma_commit();
     cp_async_wait<1>();  // this thread's copies of tile 1
-    convert_and_refill(1);
+    if constexpr (kBf16) {
+      fence_proxy_async_smem();
+    } else {
+      convert_and_refill(1);
+    }
     wgmma_wait<0>();
     softmax(0);
   }
   // Iteration i: O += P_i V_i and the scores of tile i + 1 are issued back to back; once the value product is done
-  // its buffer takes tile i + 2 while the scores run; then the softmax of tile i + 1.
+  // its buffer takes tile i + 2 (bf16: the copies of tile i + 3) while the scores run; then the softmax of tile i + 1.
 #pragma unroll 1
   for (int i = 0; i < tiles; ++i) {
     const bool next = i + 1 < tiles;
     prefetch(i + 1);
-    const uint8_t* kb = op_s + (i & 1) * kKBytes;
+    const uint8_t* kb;
+    if constexpr (kBf16) {
+      kb = op_s + (i % 3) * kKBytes;
+    } else {
+      kb = op_s + (i & 1) * kKBytes;
+    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
@@ -372,9 +424,17 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
     } else {
       wgmma_wait<0>();
     }
-    cp_async_wait<1>();  // this thread's copies of tile i + 2
-    // The barrier in it also waits for the whole warpgroup's value product before buffer i % 2 is overwritten.
-    convert_and_refill(i + 2);
+    if constexpr (kBf16) {
+      // The value product of tile i (this warpgroup's, one collective operation) is done: its buffer takes tile i + 3.
+      // Tile i + 2's copies are published by the barrier of softmax(i + 1), before its scores are issued.
+      issue(i + 3);
+      cp_async_wait<1>();  // this thread's copies of tile i + 2
+      fence_proxy_async_smem();
+    } else {
+      cp_async_wait<1>();  // this thread's copies of tile i + 2
+      // The barrier in it also waits for the whole warpgroup's value product before buffer i % 2 is overwritten.
+      convert_and_refill(i + 2);
+    }
     wgmma_wait<0>();
     if (next) softmax(i + 1);
   }
@@ -410,7 +470,7 @@ __device__ __forceinline__ void attend(const Params& p, uint8_t* smem, int row, 
 
 #endif  // wgmma code
 
-template <bool kV32>
+template <SparseMlaEntry kEntry>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_kernel(const __grid_constant__ Params p) {
 #ifdef KESTREL_DSA_WGMMA
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -427,22 +487,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_kernel(const __g
 
   int pending = -1;
   if (threadIdx.x < 32) {
-    const uint8_t** addr = reinterpret_cast<const uint8_t**>(smem + Layout<kV32>::addr);
+    const uint8_t** addr = reinterpret_cast<const uint8_t**>(smem + Layout<kEntry>::addr);
     for (int la = 0; la < kAddrAhead; ++la) {
       const int pos = index_at(p, row_indices, t_begin, tiles, la, threadIdx.x);
       const uint8_t* a = nullptr;
       if (pos >= 0 && pos < ctx)
-        a = row_address<kV32>(p, p.bt.pages[int64_t{req} * p.bt.stride + (pos >> p.page_shift)], pos);
+        a = row_address<kEntry>(p, p.bt.pages[int64_t{req} * p.bt.stride + (pos >> p.page_shift)], pos);
       addr[la * kTile + threadIdx.x] = a;
     }
     pending = index_at(p, row_indices, t_begin, tiles, kAddrAhead, threadIdx.x);
   }
-  load_query(p, smem + Layout<kV32>::q, row, head0, heads_here);
+  load_query(p, smem + Layout<kEntry>::q, row, head0, heads_here);
   __syncthreads();
   if (threadIdx.x < 128) {
-    attend<kV32, 0>(p, smem, row, head0, heads_here, split, ctx, t_begin, tiles, pending);
+    attend<kEntry, 0>(p, smem, row, head0, heads_here, split, ctx, t_begin, tiles, pending);
   } else {
-    attend<kV32, 1>(p, smem, row, head0, heads_here, split, ctx, t_begin, tiles, pending);
+    attend<kEntry, 1>(p, smem, row, head0, heads_here, split, ctx, t_begin, tiles, pending);
   }
 #else
   // wgmma exists only in sm_90a machine code; the launcher refuses every other device before launching.
@@ -450,16 +510,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_kernel(const __g
 #endif
 }
 
-template <bool kV32>
+template <SparseMlaEntry kEntry>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  const int smem = Layout<kV32>::bytes + 1024;
+  const int smem = Layout<kEntry>::bytes + 1024;
   static DeviceCache prepared;  // once per device: the shared-memory attribute
   prepared.get([smem] {
-    check(cudaFuncSetAttribute(sparse_mla_wgmma_kernel<kV32>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+    check(cudaFuncSetAttribute(sparse_mla_wgmma_kernel<kEntry>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
           "cudaFuncSetAttribute(sparse_mla_wgmma_kernel)");
     return 1;
   });
-  sparse_mla_wgmma_kernel<kV32><<<grid, kThreads, smem, stream>>>(p);
+  sparse_mla_wgmma_kernel<kEntry><<<grid, kThreads, smem, stream>>>(p);
   check(cudaGetLastError(), "sparse_mla_decode wgmma kernel launch");
 }
 
@@ -494,9 +554,11 @@ void launch_sparse_mla_wgmma(const SparseMlaDecodeArgs& a, float kv_scale, const
   p.part_lse = split.part_lse;
   const dim3 grid(split.splits, (a.heads + kHeads - 1) / kHeads, a.batch * a.n_q);
   if (a.entry == SparseMlaEntry::v32_fp8) {
-    launch<true>(p, grid, stream);
+    launch<SparseMlaEntry::v32_fp8>(p, grid, stream);
+  } else if (a.entry == SparseMlaEntry::bf16) {
+    launch<SparseMlaEntry::bf16>(p, grid, stream);
   } else {
-    launch<false>(p, grid, stream);
+    launch<SparseMlaEntry::kimi_fp8>(p, grid, stream);
   }
 }
 

@@ -1,5 +1,5 @@
-// Internal to sparse_mla_decode (dsa_mla.cu): the Hopper warpgroup-MMA kernel (dsa_mla_wgmma.cu) for the FP8 latent
-// entries. sparse_mla_decode checks the arguments, plans the splits and merges them; this launches the kernel.
+// Internal to sparse_mla_decode (dsa_mla.cu): the Hopper warpgroup-MMA kernel (dsa_mla_wgmma.cu) for every latent
+// entry of SparseMlaEntry. sparse_mla_decode checks the arguments, plans the splits and merges them; this launches the kernel.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -20,8 +20,8 @@ struct SparseMlaSplit {
   float* part_lse = nullptr;
 };
 
-// Launches the wgmma kernel for checked arguments (a.entry kimi_fp8 or v32_fp8, latent base 16-byte aligned).
-// kv_scale is the value multiplier of the codes (a.kv_scale for kimi_fp8, 1 for v32_fp8). Throws kestrel::Error
+// Launches the wgmma kernel for checked arguments (a.entry kimi_fp8, v32_fp8 or bf16, latent base 16-byte aligned).
+// kv_scale is the value multiplier of the stored values (a.kv_scale for kimi_fp8, 1 for v32_fp8 and bf16). Throws kestrel::Error
 // when the device is not compute capability 9.0.
 void launch_sparse_mla_wgmma(const SparseMlaDecodeArgs& a, float kv_scale, const SparseMlaSplit& split,
                              cudaStream_t stream);

@@ -1,7 +1,7 @@
 // Device functions of the 4-bit cache formats (fp4_cache.h): the e2m1 / e4m3 conversions of src/core/formats.cpp
 // ported to the device by the same integer arithmetic (so the codes are the CPU's by construction, whatever the
-// hardware's own conversions do), the NVFP4 latent decode of MlaAttention::read_latent, the MXFP4 block encoder of
-// mxfp4_encode and the MXFP4 key -> FP8 view of mxfp4_key_as_fp8 (src/model/layers.cpp). Included by the kernels that
+// hardware's own conversions do), the NVFP4 latent decode of MlaCore::read_latent, the MXFP4 block encoder of
+// mxfp4_encode and the MXFP4 key -> FP8 view of mxfp4_key_as_fp8 (src/cpu/mla_core.cpp). Included by the kernels that
 // write or read those formats (fp4_cache.cu, mla_glue.cu, dsa_generic.cu). Every fp32 operation is spelled out
 // (__fmul_rn, __fdiv_rn, __double2float_rn) so that nvcc cannot contract it into something the CPU does not do.
 #pragma once
@@ -77,7 +77,7 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
   return (code & 0x8u) ? -v : v;
 }
 
-// Value i (0 <= i < C + R) of an NVFP4 latent entry, as MlaAttention::read_latent decodes it: nvfp4_decode with the
+// Value i (0 <= i < C + R) of an NVFP4 latent entry, as MlaCore::read_latent decodes it: nvfp4_decode with the
 // tensor scale kv_scale for i < C (e2m1 * fp32(e4m3(block scale) * kv_scale)), e4m3 * kv_scale for the tail.
 __device__ __forceinline__ float nvfp4_latent_value(const uint8_t* entry, int i, int C, float kv_scale) {
   if (i < C) {

@@ -1,8 +1,8 @@
 // The 4-bit cache formats on the GPU: Kimi's NVFP4 MLA latent entry (--kv-cache-dtype nvfp4) and the MXFP4 DSA
-// index key (--index-dtype mxfp4). This file has their writers, bit for bit MlaAttention::write_latent /
-// write_index_key (src/model/layers.cpp over nvfp4_encode / mxfp4_encode of src/core/formats.h); the readers are the
+// index key (--index-dtype mxfp4). This file has their writers, bit for bit MlaCore::write_latent /
+// write_index_key (src/cpu/mla_core.cpp over nvfp4_encode / mxfp4_encode of src/core/formats.h); the readers are the
 // generic kernels, which take the format as a parameter: mla_attend_generic (mla_glue.h) decodes an NVFP4 entry as
-// MlaAttention::read_latent does, and index_scores_generic (dsa_generic.h) turns each MXFP4 key into FP8 codes and
+// MlaCore::read_latent does, and index_scores_generic (dsa_generic.h) turns each MXFP4 key into FP8 codes and
 // one power-of-two scale as mxfp4_key_as_fp8 does, then scores them exactly as FP8 keys. The device functions of
 // both directions are in fp4_cache.cuh. Layouts: docs/engine.md, shared/spec/CACHE.md.
 //
@@ -38,7 +38,7 @@ int64_t latent_format_bytes(LatentFormat format, int C, int R);
 //          exponents. D a multiple of 32.
 enum class IndexKeyFormat { fp8, mxfp4 };
 
-// Writes T new latent rows into their cache slots in the NVFP4 layout, bit for bit as MlaAttention::write_latent
+// Writes T new latent rows into their cache slots in the NVFP4 layout, bit for bit as MlaCore::write_latent
 // (nvfp4): per block of 16 values, scale code = e4m3(amax / fp32(6 * kv_scale)), block scale = fp32(e4m3 value *
 // kv_scale), codes = e2m1(v / block scale) (all 0 when the block scale is 0), e2m1 and e4m3 rounding to nearest
 // even with saturation; tail codes = e4m3(clamp(v / kv_scale, -448, 448)). kv: [T, ldkv] fp32 rows whose first C + R
@@ -48,7 +48,7 @@ enum class IndexKeyFormat { fp8, mxfp4 };
 void mla_latent_write_nvfp4(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale,
                             const int64_t* slots, const Pages& pages, cudaStream_t s);
 
-// The index keys of T tokens into their page slots in the MXFP4 layout, as MlaAttention::write_cache does after the
+// The index keys of T tokens into their page slots in the MXFP4 layout, as MlaCore::write_cache does after the
 // LayerNorm (and RoPE): v = hadamard(key) (Sylvester order, butterflies in fp32, then times fp32(D^-1/2), as
 // cpu::hadamard_inplace), then mxfp4_encode(v): per block of 32, exponent e = clamp(floor(log2(amax)) - 2, -127,
 // 127) (stored as e + 127), codes = e2m1(fp32(v * 2^-e)) rounded to nearest even with saturation. keys: [T,

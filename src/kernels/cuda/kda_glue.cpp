@@ -12,8 +12,8 @@ namespace detail {
 // Defined in kda_glue.cu.
 cudaError_t launch_short_conv_silu_varlen(const float* x, const int64_t* cu_seqlens, int B, int64_t C, const float* w,
                                           int W, float* const* hist, float* out, cudaStream_t stream);
-cudaError_t launch_kda_gated_rmsnorm_bf16(const float* o, const float* r, const float* w, int64_t rows, int dv,
-                                          float eps, uint16_t* y, cudaStream_t stream);
+cudaError_t launch_kda_gated_rmsnorm(const float* o, const float* r, const float* w, int64_t rows, int dv, float eps,
+                                     float* y_f32, uint16_t* y, cudaStream_t stream);
 cudaError_t launch_kda_recurrent_varlen(const KdaTokenArgs& in, const int64_t* cu_seqlens, int B, int H, int dk,
                                         int dv, float* state_pool, const int32_t* slots, float* o,
                                         cudaStream_t stream);
@@ -30,12 +30,18 @@ void short_conv_silu_varlen(const float* x, const int64_t* cu_seqlens, int B, in
   KESTREL_CUDA_CHECK(detail::launch_short_conv_silu_varlen(x, cu_seqlens, B, C, w, W, hist, out, s));
 }
 
+void kda_gated_rmsnorm(const float* o, const float* r, const float* w, int64_t T, int H, int dv, float eps,
+                       float* y_f32, uint16_t* y_bf16, cudaStream_t s) {
+  KESTREL_CHECK(T >= 0 && H > 0 && dv > 0, "kda_gated_rmsnorm: invalid sizes T={} H={} dv={}", T, H, dv);
+  KESTREL_CHECK(o && r && w && (y_f32 || y_bf16), "kda_gated_rmsnorm: o, r, w and an output must be set");
+  KESTREL_CHECK(std::isfinite(eps) && eps >= 0.0f, "kda_gated_rmsnorm: eps must be finite and >= 0, got {}", eps);
+  KESTREL_CUDA_CHECK(detail::launch_kda_gated_rmsnorm(o, r, w, T * H, dv, eps, y_f32, y_bf16, s));
+}
+
 void kda_gated_rmsnorm_bf16(const float* o, const float* r, const float* w, int64_t T, int H, int dv, float eps,
                             uint16_t* y, cudaStream_t s) {
-  KESTREL_CHECK(T >= 0 && H > 0 && dv > 0, "kda_gated_rmsnorm_bf16: invalid sizes T={} H={} dv={}", T, H, dv);
-  KESTREL_CHECK(o && r && w && y, "kda_gated_rmsnorm_bf16: o, r, w and y must all be set");
-  KESTREL_CHECK(std::isfinite(eps) && eps >= 0.0f, "kda_gated_rmsnorm_bf16: eps must be finite and >= 0, got {}", eps);
-  KESTREL_CUDA_CHECK(detail::launch_kda_gated_rmsnorm_bf16(o, r, w, T * H, dv, eps, y, s));
+  KESTREL_CHECK(y != nullptr, "kda_gated_rmsnorm_bf16: y must be set");
+  kda_gated_rmsnorm(o, r, w, T, H, dv, eps, nullptr, y, s);
 }
 
 void kda_recurrent_varlen(const KdaInputs& in, const int64_t* cu_seqlens, int B, int H, int dk, int dv,

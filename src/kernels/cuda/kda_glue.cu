@@ -72,8 +72,8 @@ constexpr int kNormThreads = 256;
 constexpr int kNormRowsPerBlock = kNormThreads / 32;  // one warp per row
 
 __global__ void __launch_bounds__(kNormThreads)
-    gated_rmsnorm_bf16_kernel(const float* __restrict__ o, const float* __restrict__ r, const float* __restrict__ w,
-                              int64_t rows, int dv, float eps, uint16_t* __restrict__ y) {
+    gated_rmsnorm_kernel(const float* __restrict__ o, const float* __restrict__ r, const float* __restrict__ w,
+                         int64_t rows, int dv, float eps, float* __restrict__ y_f32, uint16_t* __restrict__ y) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps leave together, so the shuffles below see full warps
@@ -83,8 +83,11 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int j = lane; j < dv; j += 32) ss += orow[j] * orow[j];
   ss = warp_sum(ss);
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(dv) + eps);
-  for (int j = lane; j < dv; j += 32)
-    y[row * dv + j] = __bfloat16_as_ushort(__float2bfloat16_rn(orow[j] * inv * w[j] * sigmoid(rrow[j])));
+  for (int j = lane; j < dv; j += 32) {
+    const float v = orow[j] * inv * w[j] * sigmoid(rrow[j]);
+    if (y_f32) y_f32[row * dv + j] = v;
+    if (y) y[row * dv + j] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
 }
 
 // ------------------------------------------------------------------------------------------- recurrence
@@ -268,11 +271,11 @@ cudaError_t launch_short_conv_silu_varlen(const float* x, const int64_t* cu_seql
   return cudaGetLastError();
 }
 
-cudaError_t launch_kda_gated_rmsnorm_bf16(const float* o, const float* r, const float* w, int64_t rows, int dv,
-                                          float eps, uint16_t* y, cudaStream_t stream) {
+cudaError_t launch_kda_gated_rmsnorm(const float* o, const float* r, const float* w, int64_t rows, int dv, float eps,
+                                     float* y_f32, uint16_t* y, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int64_t blocks = (rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock;
-  gated_rmsnorm_bf16_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(o, r, w, rows, dv, eps, y);
+  gated_rmsnorm_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(o, r, w, rows, dv, eps, y_f32, y);
   return cudaGetLastError();
 }
 

@@ -32,6 +32,9 @@ void short_conv_silu_varlen(const float* x, const int64_t* cu_seqlens, int B, in
 // o, r fp32 [T*H, dv]; w [dv]; y bf16 bits [T*H, dv] (round to nearest even).
 void kda_gated_rmsnorm_bf16(const float* o, const float* r, const float* w, int64_t T, int H, int dv, float eps,
                             uint16_t* y, cudaStream_t s);
+// The same values in fp32 (y_f32) and bf16 (y_bf16), either of them null.
+void kda_gated_rmsnorm(const float* o, const float* r, const float* w, int64_t T, int H, int dv, float eps,
+                       float* y_f32, uint16_t* y_bf16, cudaStream_t s);
 
 // The token-by-token KDA recurrence (cpu::kda_recurrent with the preprocessing of KdaInputs: l2-normalised q and k
 // when normalize_qk, the fused gate from A_log/dt_bias (with or without gate_lower_bound), beta logit), for any dk,

@@ -25,7 +25,10 @@ namespace kestrel::cuda {
 
 enum class LatentDtype {
   fp8_e4m3,  // Kimi's 576-byte rows: 576 e4m3 codes; a cached value is code * kv_scale (one scale per layer)
-  bf16,      // 1152-byte rows: 576 bf16 values; a cached value is value * kv_scale (normally 1)
+  // 1152-byte rows: 576 bf16 values; a cached value is value * kv_scale. The engine's bf16 latent (mla_glue.h:
+  // mla_latent_write_bf16, --kv-cache-dtype auto) has no scale: bf16 entries are read with kv_scale = 1, which makes
+  // the value bf16_to_f32(bits) as the other readers of the entry (mla_attend_generic, sparse_mla_decode) take it.
+  bf16,
 };
 
 // Bytes of one latent row.

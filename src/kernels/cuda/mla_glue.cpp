@@ -26,6 +26,13 @@ void check_latent_pages(const char* fn, const Pages& pages, int64_t width) {
                 pages.page_size, width);
 }
 
+// bf16 entries are read and written as 16-bit words.
+void check_bf16_alignment(const char* fn, const Pages& pages) {
+  KESTREL_CHECK(reinterpret_cast<uintptr_t>(pages.base) % 2 == 0 && pages.page_stride % 2 == 0,
+                "{}: bf16 latent pages need a 2-byte aligned base and an even page stride, got stride {}", fn,
+                pages.page_stride);
+}
+
 }  // namespace
 
 void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale, const int64_t* slots,
@@ -42,6 +49,19 @@ void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R
   KESTREL_CUDA_CHECK(detail::launch_mla_latent_write_fp8(kv, ldkv, T, C, R, kv_scale, slots, pages, s));
 }
 
+void mla_latent_write_bf16(const float* kv, int64_t ldkv, int64_t T, int C, int R, const int64_t* slots,
+                           const Pages& pages, cudaStream_t s) {
+  constexpr const char* fn = "mla_latent_write_bf16";
+  KESTREL_CHECK(C > 0 && R >= 0, "{}: bad latent shape C={} R={}", fn, C, R);
+  KESTREL_CHECK(T >= 0 && T <= kMaxGridX, "{}: T = {} outside [0, {}]", fn, T, kMaxGridX);
+  KESTREL_CHECK(ldkv >= int64_t{C} + R, "{}: ldkv {} is shorter than a latent row of {} values", fn, ldkv, C + R);
+  if (T == 0) return;
+  KESTREL_CHECK(kv != nullptr && slots != nullptr, "{}: kv and slots must be set", fn);
+  check_latent_pages(fn, pages, bf16_latent_entry_bytes(C, R));
+  check_bf16_alignment(fn, pages);
+  KESTREL_CUDA_CHECK(detail::launch_mla_latent_write_bf16(kv, ldkv, T, C, R, slots, pages, s));
+}
+
 void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, const int32_t* row_req,
                         const int32_t* row_pos, const Pages& pages, const BlockTable& block_table, float kv_scale,
                         float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s) {
@@ -55,7 +75,8 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, L
                         int k, float* out, float* lse, cudaStream_t s) {
   constexpr const char* fn = "mla_attend_generic";
   KESTREL_CHECK(H > 0 && C > 0 && R >= 0, "{}: bad shape H={} C={} R={}", fn, H, C, R);
-  KESTREL_CHECK(entry == LatentEntry::kimi_fp8 || entry == LatentEntry::v32_fp8 || entry == LatentEntry::nvfp4,
+  KESTREL_CHECK(entry == LatentEntry::kimi_fp8 || entry == LatentEntry::v32_fp8 || entry == LatentEntry::nvfp4 ||
+                    entry == LatentEntry::bf16,
                 "{}: unknown latent entry layout", fn);
   KESTREL_CHECK(entry != LatentEntry::v32_fp8 || (C % 128 == 0 && R % 2 == 0),
                 "{}: deepseek_v32 latent entries need C a multiple of 128 and R even, got C={} R={}", fn, C, R);
@@ -80,6 +101,9 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, L
                   pages.page_stride);
   } else if (entry == LatentEntry::nvfp4) {
     check_latent_pages(fn, pages, static_cast<int>(latent_format_bytes(LatentFormat::nvfp4, C, R)));
+  } else if (entry == LatentEntry::bf16) {
+    check_latent_pages(fn, pages, bf16_latent_entry_bytes(C, R));
+    check_bf16_alignment(fn, pages);
   } else {
     check_latent_pages(fn, pages, C + R);
   }

@@ -1,4 +1,4 @@
-// Kernels of mla_glue.h. All three are plain CUDA with fp32 math; the host checks live in mla_glue.cpp.
+// Kernels of mla_glue.h. All are plain CUDA with fp32 math; the host checks live in mla_glue.cpp.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -19,7 +19,7 @@ constexpr uint8_t kE4m3NaN = 0x7F;
 
 // ---------------------------------------------------------------- latent writer
 
-// As MlaAttention::write_latent: e4m3(clamp(v / kv_scale, -448, 448)) with a correctly rounded division. The clamp
+// As MlaCore::write_latent: e4m3(clamp(v / kv_scale, -448, 448)) with a correctly rounded division. The clamp
 // passes NaN through (std::clamp does) and f32_to_e4m3 maps every NaN to 0x7F, whatever its sign; the hardware
 // conversion keeps the sign, hence the explicit case.
 __device__ __forceinline__ uint8_t scaled_e4m3(float v, float kv_scale) {
@@ -30,6 +30,13 @@ __device__ __forceinline__ uint8_t scaled_e4m3(float v, float kv_scale) {
 }
 
 constexpr int kWriteThreads = 128;
+
+// As f32_to_bf16: round to nearest even by integer addition; a NaN keeps its sign and high payload and is made quiet.
+__device__ __forceinline__ uint16_t bf16_bits(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 // One CTA per token.
 __global__ __launch_bounds__(kWriteThreads) void latent_write_fp8_kernel(const float* kv, int64_t ldkv, int C, int R,
@@ -43,6 +50,19 @@ __global__ __launch_bounds__(kWriteThreads) void latent_write_fp8_kernel(const f
   uint8_t* entry = pages.base + page * pages.page_stride + row * width;
   const float* x = kv + t * ldkv;
   for (int i = threadIdx.x; i < width; i += kWriteThreads) entry[i] = scaled_e4m3(x[i], kv_scale);
+}
+
+// One CTA per token: the bf16 entry, no scale.
+__global__ __launch_bounds__(kWriteThreads) void latent_write_bf16_kernel(const float* kv, int64_t ldkv, int C, int R,
+                                                                           const int64_t* slots, Pages pages) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0) return;
+  const int width = C + R;
+  const int64_t page = slot / pages.page_size, row = slot % pages.page_size;
+  uint16_t* entry = reinterpret_cast<uint16_t*>(pages.base + page * pages.page_stride + row * 2 * width);
+  const float* x = kv + t * ldkv;
+  for (int i = threadIdx.x; i < width; i += kWriteThreads) entry[i] = bf16_bits(x[i]);
 }
 
 // ---------------------------------------------------------------- generic absorbed attention
@@ -75,13 +95,15 @@ __device__ __forceinline__ float dequant(uint8_t code, float kv_scale) {
   return __fmul_rn(__half2float(h), kv_scale);
 }
 
-// Value i (< C + R) of a cached latent entry as MlaAttention::read_latent decodes it.
+// Value i (< C + R) of a cached latent entry as MlaCore::read_latent decodes it.
 template <LatentEntry kEntry>
 __device__ __forceinline__ float latent_value(const uint8_t* entry, int i, int C, float kv_scale) {
   if constexpr (kEntry == LatentEntry::kimi_fp8) {
     return dequant(entry[i], kv_scale);
   } else if constexpr (kEntry == LatentEntry::nvfp4) {
     return fp4::nvfp4_latent_value(entry, i, C, kv_scale);
+  } else if constexpr (kEntry == LatentEntry::bf16) {
+    return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(entry)[i]) << 16);
   } else {
     // [C codes ; C / 128 fp32 tile scales ; R bf16]: the scales and the tail are aligned (v32_glue.h).
     if (i < C) return dequant(entry[i], reinterpret_cast<const float*>(entry + C)[i / 128]);
@@ -246,13 +268,6 @@ __global__ __launch_bounds__(kAttendThreads, 1) void attend_generic_kernel(Atten
 
 constexpr int kBf16Threads = 256;
 
-// As f32_to_bf16: round to nearest even by integer addition; a NaN keeps its sign and high payload and is made quiet.
-__device__ __forceinline__ uint16_t bf16_bits(float x) {
-  const uint32_t bits = __float_as_uint(x);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // One CTA per row.
 __global__ __launch_bounds__(kBf16Threads) void to_bf16_rows_kernel(const float* x, int64_t ldx, int64_t cols,
                                                                      uint16_t* y, int64_t ldy) {
@@ -286,6 +301,13 @@ cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T
   return cudaGetLastError();
 }
 
+cudaError_t launch_mla_latent_write_bf16(const float* kv, int64_t ldkv, int64_t T, int C, int R, const int64_t* slots,
+                                         const Pages& pages, cudaStream_t s) {
+  if (T == 0) return cudaSuccess;
+  latent_write_bf16_kernel<<<static_cast<unsigned>(T), kWriteThreads, 0, s>>>(kv, ldkv, C, R, slots, pages);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
                                       const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
                                       const BlockTable& block_table, float kv_scale, float softmax_scale,
@@ -293,6 +315,7 @@ cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, i
   if (rows == 0) return cudaSuccess;
   const int64_t entry_bytes = entry == LatentEntry::v32_fp8 ? v32_latent_entry_bytes(C, R)
                               : entry == LatentEntry::nvfp4  ? latent_format_bytes(LatentFormat::nvfp4, C, R)
+                              : entry == LatentEntry::bf16   ? bf16_latent_entry_bytes(C, R)
                                                              : int64_t{C} + R;
   const AttendParams p{q_abs, H, C, R, entry_bytes, row_req, row_pos, pages, block_table, kv_scale, softmax_scale,
                        indices, k, out, lse};
@@ -300,6 +323,8 @@ cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, i
     launch_attend_generic<LatentEntry::v32_fp8>(p, rows, s);
   else if (entry == LatentEntry::nvfp4)
     launch_attend_generic<LatentEntry::nvfp4>(p, rows, s);
+  else if (entry == LatentEntry::bf16)
+    launch_attend_generic<LatentEntry::bf16>(p, rows, s);
   else
     launch_attend_generic<LatentEntry::kimi_fp8>(p, rows, s);
   return cudaGetLastError();

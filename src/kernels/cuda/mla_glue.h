@@ -1,13 +1,18 @@
 // GPU pieces around MLA attention in the absorbed form that the 576-wide kernels (dsa.h, mla_decode.h) do not
-// cover: the FP8 latent writer of Kimi's layout for any C + R, a plain fp32 absorbed attention for any C + R (the
-// tiny model configurations have C = 64 or 128 and R = 16) over Kimi's or deepseek_v32's FP8 latent entries (the
-// only attention deepseek_v32 runs on the GPU), and the fp32 -> bf16 row conversion that feeds the
-// tensor-core kernels. CPU references: MlaAttention::write_latent (src/model/layers.cpp), cpu::mla_attend_absorbed
-// (src/kernels/cpu/attention.h), f32_to_e4m3 / f32_to_bf16 (src/core/formats.h).
+// cover: the FP8 and bf16 latent writers of Kimi's layout for any C + R, a plain fp32 absorbed attention for any
+// C + R (the tiny model configurations have C = 64 or 128 and R = 16) over Kimi's FP8, deepseek_v32's FP8, the NVFP4
+// or the bf16 latent entry (the only attention deepseek_v32 runs on the GPU at other widths), and the fp32 -> bf16
+// row conversion that feeds the tensor-core kernels. CPU references: MlaCore::write_latent
+// (src/cpu/mla_core.cpp), cpu::mla_attend_absorbed (src/kernels/cpu/attention.h), f32_to_e4m3 / f32_to_bf16
+// (src/core/formats.h).
 //
-// Pages and block tables are those of dsa.h, with latent rows of C + R bytes: page p starts at
-// base + p * page_stride (the packed cache's row size, whose first page_size * (C + R) bytes are the latent entries)
-// and its entry r at r * (C + R) bytes from there.
+// Pages and block tables are those of dsa.h, with latent rows of C + R bytes (FP8; 2 (C + R) bytes for bf16): page p
+// starts at base + p * page_stride (the packed cache's row size, whose first page_size entries are the latent
+// entries) and its entry r at r * (entry bytes) from there.
+//
+// The bf16 entry (--kv-cache-dtype auto: the model's dtype, as vLLM) is C + R bf16 values [c (RMS-normed) ; k_pe (with
+// RoPE for deepseek_v32)], 2 (C + R) bytes (1152 at C = 512, R = 64), value = bf16_to_f32(bits). It has no scale:
+// kv_scale is not applied to bf16 entries, by the writer or by any reader.
 //
 // All pointers are device pointers; every call is asynchronous on its stream, allocates nothing and reads no device
 // data on the host (CUDA-graph capturable). Argument errors throw kestrel::Error.
@@ -24,23 +29,37 @@ namespace kestrel::cuda {
 constexpr int kMaxGenericLatentWidth = 1024;
 
 // Writes T new latent rows into their cache slots in Kimi's FP8 layout (C + R e4m3 codes per token, one per-layer
-// scale): code = f32_to_e4m3(clamp(v / kv_scale, -448, 448)) bit for bit as MlaAttention::write_latent (fp8, kimi);
+// scale): code = f32_to_e4m3(clamp(v / kv_scale, -448, 448)) bit for bit as MlaCore::write_latent (fp8, kimi);
 // a NaN value gives the code 0x7F as there. kv: [T, ldkv] fp32 rows whose first C + R values are
 // [c (already RMS-normed) ; k_pe]. slots[t] (device int64) = page * page_size + row; the entry goes to
 // pages.base + page * pages.page_stride + row * (C + R). A negative slot skips token t.
 void mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale, const int64_t* slots,
                           const Pages& pages, cudaStream_t s);
 
-// How mla_attend_generic reads a latent entry: the fp8 layouts of MlaAttention::write_latent.
+// Bytes of one bf16 latent entry: C + R bf16 values.
+constexpr int64_t bf16_latent_entry_bytes(int C, int R) { return 2 * (int64_t{C} + R); }
+
+// Writes T new latent rows into their cache slots as bf16 entries (C + R values per token, no scale): value i of
+// token t = f32_to_bf16(kv[t * ldkv + i]) bit for bit (round to nearest even, a carry into the exponent overflowing to
+// inf; a NaN keeps its sign and high payload and is made quiet). kv_scale is not applied to bf16 entries. kv: [T,
+// ldkv] fp32 rows whose first C + R values are [c (already RMS-normed) ; k_pe]. slots[t] (device int64) = page *
+// page_size + row; the entry goes to pages.base + page * pages.page_stride + row * bf16_latent_entry_bytes(C, R). A
+// negative slot skips token t. pages.base and pages.page_stride 2-byte aligned.
+void mla_latent_write_bf16(const float* kv, int64_t ldkv, int64_t T, int C, int R, const int64_t* slots,
+                           const Pages& pages, cudaStream_t s);
+
+// How mla_attend_generic reads a latent entry: the layouts of MlaCore::write_latent.
 enum class LatentEntry {
   kimi_fp8,  // C + R e4m3 codes (the layout above); value = fp32(code * kv_scale)
   v32_fp8,   // deepseek_v32 (v32_glue.h): C e4m3 codes in tiles of 128, one fp32 scale per tile, then the R-value
              // tail in bf16, v32_latent_entry_bytes(C, R) bytes; value = fp32(code * tile scale) for c and the bf16
-             // value for k_pe, as MlaAttention::read_latent; kv_scale is not applied. C a multiple of 128, R even,
+             // value for k_pe, as MlaCore::read_latent; kv_scale is not applied. C a multiple of 128, R even,
              // pages 4-byte aligned.
   nvfp4,     // Kimi's NVFP4 entry (fp4_cache.h: latent_format_bytes(LatentFormat::nvfp4, C, R) bytes); each value as
              // read_latent decodes it: e2m1 * fp32(e4m3 block scale * kv_scale), the tail code * kv_scale. The FP8-only
              // tensor-core kernels (dsa.h, mla_decode.h) do not read it: this is its attention on the GPU.
+  bf16,      // the bf16 entry (mla_latent_write_bf16): C + R bf16 values, bf16_latent_entry_bytes(C, R) bytes; value =
+             // bf16_to_f32(bits); kv_scale is not applied. Pages 2-byte aligned.
 };
 
 // Generic absorbed attention for any C, R (C + R <= kMaxGenericLatentWidth), one query row per token and every head:
@@ -60,7 +79,8 @@ void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, c
                         const int32_t* row_pos, const Pages& pages, const BlockTable& block_table, float kv_scale,
                         float softmax_scale, const int32_t* indices, int k, float* out, float* lse, cudaStream_t s);
 // The same over latent entries of the given layout (the function above is entry = LatentEntry::kimi_fp8): entry r of
-// a page at r * (its entry bytes) from the page start; the scores and outputs use each value as `entry` decodes it.
+// a page at r * (its entry bytes) from the page start; the scores and outputs use each value as `entry` decodes it
+// (kv_scale still has to be finite and positive where the entry ignores it: v32_fp8, bf16).
 void mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
                         const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
                         const BlockTable& block_table, float kv_scale, float softmax_scale, const int32_t* indices,
@@ -78,6 +98,8 @@ constexpr int kGenericHeadsPerCta = 8;
 namespace detail {
 cudaError_t launch_mla_latent_write_fp8(const float* kv, int64_t ldkv, int64_t T, int C, int R, float kv_scale,
                                         const int64_t* slots, const Pages& pages, cudaStream_t s);
+cudaError_t launch_mla_latent_write_bf16(const float* kv, int64_t ldkv, int64_t T, int C, int R, const int64_t* slots,
+                                         const Pages& pages, cudaStream_t s);
 cudaError_t launch_mla_attend_generic(const float* q_abs, int64_t rows, int H, int C, int R, LatentEntry entry,
                                       const int32_t* row_req, const int32_t* row_pos, const Pages& pages,
                                       const BlockTable& block_table, float kv_scale, float softmax_scale,

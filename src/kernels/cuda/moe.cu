@@ -13,11 +13,20 @@
 // of the same columns, so swiglu happens in its epilogue; the down GEMM's 64 weight rows are 64 output columns.
 // The grid's x covers a bound on the number of tiles (the host knows it from T, top_k and E); blocks past the real
 // tile count find expert -1 in the table and return.
+//
+// FP8 block-scaled experts use the same sort, tiles and combine. Their GEMMs are fp8_block_mma.cuh's tile (codes
+// widened to f16 in shared memory, f16 MMAs with fp32 accumulation, each 128-wide group's sum scaled by the row's
+// activation scale and the weight block's scale and added in fp32). The token rows of x are quantized once
+// (gemm_fp8_block.h's quantizer, per token, not per slot); the gate/up tile holds 32 gate and the 32 matching up rows
+// so that each thread applies swiglu to its own accumulators and writes the fp32 swiglu rows; those are quantized by
+// the same quantizer (per sorted row) before the down GEMM.
 #include <cuda_bf16.h>
 #include <mma.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/fp8_block_mma.cuh"
+#include "kernels/cuda/gemm_fp8_block.h"
 #include "kernels/cuda/moe.h"
 
 namespace kestrel::cuda::detail {
@@ -446,6 +455,102 @@ cudaError_t launch_gemm(int rows_per_tile, bool mxfp4, Stage stage, dim3 grid, c
   }
 }
 
+// ---------------------------------------------------------------- FP8 block-scaled grouped GEMMs
+
+struct Fp8GemmArgs {
+  const uint8_t* act;      // gate_up: x codes [T, D]; down: h codes [P, F] in sorted order
+  const float* act_scales;  // [rows, K / 128]
+  int top_k;
+  int64_t K;                // D (gate_up) or F (down)
+  int64_t N;                // F (gate_up: columns of gate and of up) or D (down)
+  int64_t rows_per_expert;  // weight rows per expert: 2F or D
+  const uint8_t* w;         // [E, rows_per_expert, K]
+  const float* w_scales;    // [E, rows_per_expert / 128, K / 128]
+  const int2* tiles;
+  const int32_t* expert_offset;
+  const int32_t* sorted_pair;
+  float* h;         // gate_up output [P, F] fp32, sorted order
+  float* pair_out;  // down output [P, D], pair order
+};
+
+template <int kRows, Stage kStage>
+__global__ void __launch_bounds__(fp8mma::kThreads) fp8_grouped_gemm_kernel(Fp8GemmArgs a) {
+  const int2 tile = a.tiles[blockIdx.x];
+  if (tile.x < 0) return;
+  const int64_t expert = tile.x;
+  const int row0 = tile.y;
+  const int rows = min(kRows, a.expert_offset[expert + 1] - row0);
+  const int64_t groups = a.K / fp8mma::kTileK;
+  const fp8mma::ActOperand A{a.act, a.K, a.act_scales, groups, 1};
+  const fp8mma::WeightOperand W{a.w + expert * a.rows_per_expert * a.K, a.K,
+                                a.w_scales + expert * (a.rows_per_expert / fp8mma::kTileK) * groups, groups,
+                                a.rows_per_expert, kStage == Stage::gate_up ? a.N : 0};
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kStage == Stage::gate_up) {
+    const int64_t f0 = static_cast<int64_t>(blockIdx.y) * (fp8mma::kTileN / 2);
+    auto src_row = [&](int r) -> int64_t { return r < rows ? a.sorted_pair[row0 + r] / a.top_k : -1; };
+    fp8mma::Accum<kRows> acc;
+    fp8mma::block_tile<kRows, fp8mma::WeightRows::gate_up>(A, W, f0, a.K, static_cast<int>(groups), src_row, acc);
+    const int64_t f = f0 + 8 * warp + 2 * t;
+#pragma unroll
+    for (int mf = 0; mf < kRows / 16; ++mf)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mf * 16 + g + 8 * half;
+        if (r >= rows) continue;
+        const float2 hv = make_float2(silu_times(acc.v[mf][0][2 * half], acc.v[mf][1][2 * half]),
+                                      silu_times(acc.v[mf][0][2 * half + 1], acc.v[mf][1][2 * half + 1]));
+        *reinterpret_cast<float2*>(a.h + static_cast<int64_t>(row0 + r) * a.N + f) = hv;
+      }
+  } else {
+    const int64_t d0 = static_cast<int64_t>(blockIdx.y) * fp8mma::kTileN;
+    auto src_row = [&](int r) -> int64_t { return r < rows ? row0 + r : -1; };
+    fp8mma::Accum<kRows> acc;
+    fp8mma::block_tile<kRows, fp8mma::WeightRows::contiguous>(A, W, d0, a.K, static_cast<int>(groups), src_row, acc);
+#pragma unroll
+    for (int mf = 0; mf < kRows / 16; ++mf)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mf * 16 + g + 8 * half;
+        if (r >= rows) continue;
+        float* out = a.pair_out + static_cast<int64_t>(a.sorted_pair[row0 + r]) * a.N + d0 + 16 * warp + 2 * t;
+#pragma unroll
+        for (int nf = 0; nf < 2; ++nf)
+          *reinterpret_cast<float2*>(out + 8 * nf) = make_float2(acc.v[mf][nf][2 * half], acc.v[mf][nf][2 * half + 1]);
+      }
+  }
+}
+
+template <Stage kStage>
+cudaError_t launch_fp8_gemm(int rows_per_tile, dim3 grid, const Fp8GemmArgs& g, cudaStream_t s) {
+  switch (rows_per_tile) {
+    case 16: fp8_grouped_gemm_kernel<16, kStage><<<grid, fp8mma::kThreads, 0, s>>>(g); break;
+    case 32: fp8_grouped_gemm_kernel<32, kStage><<<grid, fp8mma::kThreads, 0, s>>>(g); break;
+    case 48: fp8_grouped_gemm_kernel<48, kStage><<<grid, fp8mma::kThreads, 0, s>>>(g); break;
+    case 64: fp8_grouped_gemm_kernel<64, kStage><<<grid, fp8mma::kThreads, 0, s>>>(g); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+// Quantization of x, gate/up with swiglu, quantization of the swiglu rows, down; the sort has run.
+cudaError_t launch_fp8_experts(const MoeExpertArgs& a, const int2* tiles, cudaStream_t s) {
+  const int64_t P = a.T * a.top_k, D = a.w.D, F = a.w.F;
+  const QuantizeArgs xq{a.x_f32, a.T, a.T, D, D, a.x_codes, D, a.x_scales, D / fp8mma::kTileK, 1};
+  if (cudaError_t err = launch_quantize_fp8(xq, s); err != cudaSuccess) return err;
+  const Fp8GemmArgs gate_up{a.x_codes, a.x_scales, a.top_k, D, F, 2 * F, a.w.fp8_w13, a.w.fp8_w13_scales,
+                            tiles, a.expert_offset, a.sorted_pair, a.h_f32, a.pair_out};
+  const dim3 gate_up_grid(static_cast<unsigned>(a.max_tiles), static_cast<unsigned>(F / (fp8mma::kTileN / 2)));
+  if (cudaError_t err = launch_fp8_gemm<Stage::gate_up>(a.rows_per_tile, gate_up_grid, gate_up, s); err != cudaSuccess)
+    return err;
+  const QuantizeArgs hq{a.h_f32, P, P, F, F, a.h_codes, F, a.h_scales, F / fp8mma::kTileK, 1};
+  if (cudaError_t err = launch_quantize_fp8(hq, s); err != cudaSuccess) return err;
+  const Fp8GemmArgs down{a.h_codes, a.h_scales, a.top_k, F, D, D, a.w.fp8_w2, a.w.fp8_w2_scales,
+                         tiles, a.expert_offset, a.sorted_pair, a.h_f32, a.pair_out};
+  const dim3 down_grid(static_cast<unsigned>(a.max_tiles), static_cast<unsigned>(D / fp8mma::kTileN));
+  return launch_fp8_gemm<Stage::down>(a.rows_per_tile, down_grid, down, s);
+}
+
 // ---------------------------------------------------------------- combine
 
 constexpr int kCombineThreads = 128;  // each thread sums 4 consecutive columns of one token
@@ -496,18 +601,22 @@ cudaError_t launch_moe_experts(const MoeExpertArgs& a, cudaStream_t s) {
   scatter_kernel<<<static_cast<unsigned>(n_chunks), kChunk, 0, s>>>(a.ids, P, E, a.chunk_base, a.sorted_pair);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
 
-  GemmArgs gate_up{a.x,         a.top_k,       D,     F,        2 * F,         a.w.w13, a.w.w13_packed,
-                   a.w.w13_scales, tiles,      a.expert_offset, a.sorted_pair, a.h,     a.pair_out};
-  const dim3 gate_up_grid(static_cast<unsigned>(a.max_tiles), static_cast<unsigned>(F / kGateCols));
-  if (cudaError_t err = launch_gemm(a.rows_per_tile, mxfp4, Stage::gate_up, gate_up_grid, gate_up, s);
-      err != cudaSuccess)
-    return err;
+  if (a.w.dtype == ExpertDtype::fp8_block) {
+    if (cudaError_t err = launch_fp8_experts(a, tiles, s); err != cudaSuccess) return err;
+  } else {
+    GemmArgs gate_up{a.x,           a.top_k,       D,     F,        2 * F,         a.w.w13, a.w.w13_packed,
+                     a.w.w13_scales, tiles,      a.expert_offset, a.sorted_pair, a.h,     a.pair_out};
+    const dim3 gate_up_grid(static_cast<unsigned>(a.max_tiles), static_cast<unsigned>(F / kGateCols));
+    if (cudaError_t err = launch_gemm(a.rows_per_tile, mxfp4, Stage::gate_up, gate_up_grid, gate_up, s);
+        err != cudaSuccess)
+      return err;
 
-  GemmArgs down{a.h,          a.top_k,       F,     D,        D,             a.w.w2, a.w.w2_packed,
-                a.w.w2_scales, tiles,        a.expert_offset, a.sorted_pair, a.h,    a.pair_out};
-  const dim3 down_grid(static_cast<unsigned>(a.max_tiles), static_cast<unsigned>((D + kTileN - 1) / kTileN));
-  if (cudaError_t err = launch_gemm(a.rows_per_tile, mxfp4, Stage::down, down_grid, down, s); err != cudaSuccess)
-    return err;
+    GemmArgs down{a.h,          a.top_k,       F,     D,        D,             a.w.w2, a.w.w2_packed,
+                  a.w.w2_scales, tiles,        a.expert_offset, a.sorted_pair, a.h,    a.pair_out};
+    const dim3 down_grid(static_cast<unsigned>(a.max_tiles), static_cast<unsigned>((D + kTileN - 1) / kTileN));
+    if (cudaError_t err = launch_gemm(a.rows_per_tile, mxfp4, Stage::down, down_grid, down, s); err != cudaSuccess)
+      return err;
+  }
 
   const dim3 combine_grid(static_cast<unsigned>(a.T),
                           static_cast<unsigned>((D / 4 + kCombineThreads - 1) / kCombineThreads));

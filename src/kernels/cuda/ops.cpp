@@ -30,6 +30,16 @@ void rms_norm_bf16(const float* x, int64_t ldx, const float* w, int64_t M, int64
   KESTREL_CUDA_CHECK(detail::launch_rms_norm(x, ldx, w, M, D, eps, nullptr, y, ldy, s));
 }
 
+void rms_norm_dual(const float* x, int64_t ldx, const float* w, int64_t M, int64_t D, float eps, float* y_f32,
+                   uint16_t* y_bf16, int64_t ldy, cudaStream_t s) {
+  check_rows("rms_norm_dual", M, D, ldx, ldy);
+  check_eps("rms_norm_dual", eps);
+  KESTREL_CHECK(x != y_f32 || ldx == ldy, "rms_norm_dual: in place needs ldy == ldx, got ldx={} ldy={}", ldx, ldy);
+  if (M == 0 || D == 0) return;
+  KESTREL_CHECK(x && w && y_f32 && y_bf16, "rms_norm_dual: x, w, y_f32 and y_bf16 must be set");
+  KESTREL_CUDA_CHECK(detail::launch_rms_norm(x, ldx, w, M, D, eps, y_f32, y_bf16, ldy, s));
+}
+
 void rms_norm_f32(const float* x, int64_t ldx, const float* w, int64_t M, int64_t D, float eps, float* y, int64_t ldy,
                   cudaStream_t s) {
   check_rows("rms_norm_f32", M, D, ldx, ldy);
@@ -68,7 +78,14 @@ void swiglu_bf16(const float* gu, int64_t T, int64_t F, uint16_t* out, cudaStrea
   KESTREL_CHECK(T >= 0 && F >= 0, "swiglu_bf16: sizes must be non-negative, got T={} F={}", T, F);
   if (T == 0 || F == 0) return;
   KESTREL_CHECK(gu && out, "swiglu_bf16: gu and out must be set");
-  KESTREL_CUDA_CHECK(detail::launch_swiglu_bf16(gu, T, F, out, s));
+  KESTREL_CUDA_CHECK(detail::launch_swiglu(gu, T, F, nullptr, out, s));
+}
+
+void swiglu(const float* gu, int64_t T, int64_t F, float* out_f32, uint16_t* out_bf16, cudaStream_t s) {
+  KESTREL_CHECK(T >= 0 && F >= 0, "swiglu: sizes must be non-negative, got T={} F={}", T, F);
+  if (T == 0 || F == 0) return;
+  KESTREL_CHECK(gu && (out_f32 || out_bf16), "swiglu: gu and an output must be set");
+  KESTREL_CUDA_CHECK(detail::launch_swiglu(gu, T, F, out_f32, out_bf16, s));
 }
 
 void embed_bf16(const int32_t* ids, int64_t T, const uint16_t* table, int64_t D, float* h, cudaStream_t s) {

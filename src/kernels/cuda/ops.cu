@@ -55,10 +55,8 @@ __global__ void __launch_bounds__(kThreads)
     // Each thread rewrites only the elements it read, after the block's last read of the row: in place is safe.
     for (int64_t i = threadIdx.x; i < D; i += kThreads) {
       const float v = xr[i] * inv * w[i];
-      if (y_f32)
-        y_f32[row * ldy + i] = v;
-      else
-        y_bf16[row * ldy + i] = f32_to_bf16_bits(v);
+      if (y_f32) y_f32[row * ldy + i] = v;
+      if (y_bf16) y_bf16[row * ldy + i] = f32_to_bf16_bits(v);
     }
   }
 }
@@ -92,13 +90,16 @@ __global__ void __launch_bounds__(kThreads) to_bf16_kernel(const float* x, int64
     y[i] = f32_to_bf16_bits(x[i]);
 }
 
-__global__ void __launch_bounds__(kThreads) swiglu_bf16_kernel(const float* gu, int64_t T, int64_t F, uint16_t* out) {
+__global__ void __launch_bounds__(kThreads)
+    swiglu_kernel(const float* gu, int64_t T, int64_t F, float* out_f32, uint16_t* out_bf16) {
   const int64_t n = T * F;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
     const int64_t t = i / F, j = i - t * F;
     const float gate = gu[t * 2 * F + j], up = gu[t * 2 * F + F + j];
     const float silu = gate * (1.0f / (1.0f + expf(-gate)));
-    out[i] = f32_to_bf16_bits(silu * up);
+    const float v = silu * up;
+    if (out_f32) out_f32[i] = v;
+    if (out_bf16) out_bf16[i] = f32_to_bf16_bits(v);
   }
 }
 
@@ -239,8 +240,9 @@ cudaError_t launch_to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t 
   return cudaGetLastError();
 }
 
-cudaError_t launch_swiglu_bf16(const float* gu, int64_t T, int64_t F, uint16_t* out, cudaStream_t s) {
-  swiglu_bf16_kernel<<<grid_for(T * F, kThreads), kThreads, 0, s>>>(gu, T, F, out);
+cudaError_t launch_swiglu(const float* gu, int64_t T, int64_t F, float* out_f32, uint16_t* out_bf16,
+                          cudaStream_t s) {
+  swiglu_kernel<<<grid_for(T * F, kThreads), kThreads, 0, s>>>(gu, T, F, out_f32, out_bf16);
   return cudaGetLastError();
 }
 

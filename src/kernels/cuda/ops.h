@@ -16,6 +16,9 @@ namespace kestrel::cuda {
 // y rows of leading dimension ldy >= D.
 void rms_norm_bf16(const float* x, int64_t ldx, const float* w, int64_t M, int64_t D, float eps, uint16_t* y,
                    int64_t ldy, cudaStream_t s);
+// Both: y_f32 and y_bf16 (bf16 of the same fp32 values) with one leading dimension ldy.
+void rms_norm_dual(const float* x, int64_t ldx, const float* w, int64_t M, int64_t D, float eps, float* y_f32,
+                   uint16_t* y_bf16, int64_t ldy, cudaStream_t s);
 // y may equal x (in place; then ldy must equal ldx).
 void rms_norm_f32(const float* x, int64_t ldx, const float* w, int64_t M, int64_t D, float eps, float* y, int64_t ldy,
                   cudaStream_t s);
@@ -30,6 +33,8 @@ void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t s);
 // gu: [T, 2F] fp32 with the gate in columns [0, F) and up in [F, 2F); out[t, j] = silu(gate) * up as bf16 [T, F],
 // silu(x) = x * (1 / (1 + exp(-x))) as cpu::silu.
 void swiglu_bf16(const float* gu, int64_t T, int64_t F, uint16_t* out, cudaStream_t s);
+// The same values in fp32 (out_f32) and bf16 (out_bf16), either of them null.
+void swiglu(const float* gu, int64_t T, int64_t F, float* out_f32, uint16_t* out_bf16, cudaStream_t s);
 // h[t, :] = table[ids[t], :] with table bf16 bits [V, D] -> fp32 [T, D]. ids must be in range (the host checks).
 void embed_bf16(const int32_t* ids, int64_t T, const uint16_t* table, int64_t D, float* h, cudaStream_t s);
 // y[i, :] = x[rows[i], :] for i < n (rows: device int32 row numbers), fp32 rows of D contiguous values.
@@ -40,14 +45,15 @@ void argmax_rows(const float* logits, int64_t M, int64_t V, int32_t* out, cudaSt
 
 // The kernels' launchers (ops.cu), called by the checked functions above (ops.cpp) with arguments they accepted.
 namespace detail {
-// Exactly one of y_f32 and y_bf16 is set.
+// At least one of y_f32 and y_bf16 is set.
 cudaError_t launch_rms_norm(const float* x, int64_t ldx, const float* w, int64_t M, int64_t D, float eps,
                             float* y_f32, uint16_t* y_bf16, int64_t ldy, cudaStream_t s);
 cudaError_t launch_layer_norm(const float* x, const float* w, const float* b, int64_t M, int64_t D, float eps,
                               float* y, cudaStream_t s);
 cudaError_t launch_add_inplace(float* h, const float* y, int64_t n, cudaStream_t s);
 cudaError_t launch_to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t s);
-cudaError_t launch_swiglu_bf16(const float* gu, int64_t T, int64_t F, uint16_t* out, cudaStream_t s);
+cudaError_t launch_swiglu(const float* gu, int64_t T, int64_t F, float* out_f32, uint16_t* out_bf16,
+                          cudaStream_t s);
 cudaError_t launch_embed_bf16(const int32_t* ids, int64_t T, const uint16_t* table, int64_t D, float* h,
                               cudaStream_t s);
 cudaError_t launch_gather_rows(const float* x, int64_t D, const int32_t* rows, int64_t n, float* y, cudaStream_t s);

@@ -40,6 +40,9 @@ void sample_rows(const SampleRowsArgs& a, void* workspace, size_t workspace_byte
   KESTREL_CHECK(a.max_top_logprobs == 0 || (a.token_logprobs != nullptr && a.top_ids != nullptr &&
                                             a.top_logprobs != nullptr),
                 "{}: max_top_logprobs = {} needs token_logprobs, top_ids and top_logprobs", fn, a.max_top_logprobs);
+  KESTREL_CHECK(a.token_masks != nullptr || a.mask_index == nullptr, "{}: mask_index needs token_masks", fn);
+  KESTREL_CHECK(a.token_masks == nullptr || a.mask_words >= (a.vocab + 31) / 32,
+                "{}: mask_words {} is below ceil(vocab / 32) = {}", fn, a.mask_words, (a.vocab + 31) / 32);
   const size_t need = sample_rows_workspace_bytes(a.rows, a.vocab);
   KESTREL_CHECK(workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 256 == 0,
                 "{}: the workspace must be set and 256-byte aligned", fn);

@@ -103,6 +103,13 @@ __device__ __forceinline__ int64_t source_row(const SampleRowsArgs& a, int64_t r
   return src >= 0 && src < a.logit_rows ? src : -1;
 }
 
+// Row r's token mask, or null.
+__device__ __forceinline__ const uint32_t* row_mask(const SampleRowsArgs& a, int64_t r) {
+  if (a.token_masks == nullptr) return nullptr;
+  const int64_t m = a.mask_index ? a.mask_index[r] : r;
+  return m < 0 ? nullptr : a.token_masks + m * a.mask_words;
+}
+
 __device__ __forceinline__ bool wants_logprobs(const SampleRowsArgs& a, const SampleRowParams& p) {
   return p.logprobs >= 0 && a.token_logprobs != nullptr;
 }
@@ -149,6 +156,12 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(SampleRowsArgs a, Pre
       const SamplePenaltyToken t = a.penalty_tokens[j];
       if (t.token >= 0 && t.token < V) key[t.token] = logit_key(penalise(raw[t.token], t, p));
     }
+  }
+  if (const uint32_t* mask = row_mask(a, r)) {
+    __syncthreads();  // a penalised key may have been written by another thread
+    const uint32_t masked = logit_key(-INFINITY);
+    for (int64_t i = threadIdx.x; i < V; i += kThreads)
+      if (!(mask[i >> 5] >> (i & 31) & 1u)) key[i] = masked;
   }
   __syncthreads();
 
@@ -297,6 +310,13 @@ __global__ void __launch_bounds__(kThreads) choose_kernel(SampleRowsArgs a, Sort
           break;
         }
       keep = block_min(first, min_scratch);
+    }
+    if (row_mask(a, r) != nullptr) {
+      // As sample_token with a mask: the kept candidates end at the last one of nonzero probability.
+      int64_t last = 0;
+      for (int64_t i = threadIdx.x; i < keep; i += kThreads)
+        if (!(prob[i] == 0.0)) last = max(last, i);
+      keep = 1 - block_min(-last, min_scratch);
     }
     const int64_t pick =
         chunked_scan(prob, keep, false, 0.0, Stop::exceed_scaled, p.uniform, totals, &scan_result).first;

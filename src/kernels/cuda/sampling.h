@@ -11,6 +11,7 @@
 // After the call the host counts the sampled token (Sampler::accept).
 //
 // The transformations are sample_token's, in its order:
+//   0. a row with a token mask: the tokens outside it are -inf (then penalised, which keeps them -inf);
 //   1. penalties (only when presence or frequency != 0 or repetition != 1): repetition first, for every listed
 //      token (l > 0 ? l / r : l * r) when r != 1, then l -= frequency * count + presence for every listed token
 //      with count >= 1; fp32 operations in that order, rounded one by one (no contraction into FMAs);
@@ -98,6 +99,14 @@ struct SampleRowsArgs {
   // Both null: every list is empty. Ids outside the vocabulary are skipped.
   const int32_t* penalty_offsets = nullptr;  // [rows + 1]
   const SamplePenaltyToken* penalty_tokens = nullptr;
+  // Structured output (optional): the tokens a row may choose, bit t of word t / 32 of its mask; a token outside it
+  // is -inf before penalties, temperature, top-k, top-p and min-p (sample_token's `allowed`), and a masked row's
+  // draw never falls back to a candidate of probability 0. Row r's mask is token_masks + mask_index[r] *
+  // mask_words (mask_index[r] < 0: none), or token_masks + r * mask_words when mask_index is null. Every mask
+  // must allow at least one token.
+  const uint32_t* token_masks = nullptr;
+  const int32_t* mask_index = nullptr;  // [rows]
+  int64_t mask_words = 0;               // >= ceil(vocab / 32) when token_masks is set
   int32_t* tokens = nullptr;  // [rows] out: the sampled tokens
   // Optional outputs, written for rows with logprobs >= 0 only: the sampled token's log-probability, and the first
   // min(logprobs, max_top_logprobs) entries of the row's alternatives (the rest of the row is not written).

@@ -1,7 +1,7 @@
 // GPU pieces that deepseek_v32's MLA and DSA indexer need beyond Kimi's: RoPE as the CPU reference applies it, and
 // the writer of deepseek_v32's FP8 latent entry (the generic attention of mla_glue.h reads it: LatentEntry::v32_fp8).
-// CPU references: cpu::rope_interleaved / cpu::rope_neox (src/kernels/cpu/attention.h) and MlaAttention::write_latent
-// (src/model/layers.cpp, fp8 for deepseek_v32) over quantize_fp8_ue8m0 and f32_to_bf16 (src/core/formats.h).
+// CPU references: cpu::rope_interleaved / cpu::rope_neox (src/kernels/cpu/attention.h) and MlaCore::write_latent
+// (src/cpu/mla_core.cpp, fp8 for deepseek_v32) over quantize_fp8_ue8m0 and f32_to_bf16 (src/core/formats.h).
 //
 // All pointers are device pointers; every call is asynchronous on its stream, allocates nothing and reads no device
 // data on the host (CUDA-graph capturable). Argument errors throw kestrel::Error.
@@ -39,7 +39,7 @@ void rope_rows(float* x, int64_t rows, int64_t ldx, int n_vec, int64_t vec_strid
 // R = 64). C a multiple of 128.
 constexpr int64_t v32_latent_entry_bytes(int C, int R) { return int64_t{C} + int64_t{C} / 128 * 4 + int64_t{R} * 2; }
 
-// Writes T new latent rows into their cache slots in deepseek_v32's layout, bit for bit as MlaAttention::write_latent:
+// Writes T new latent rows into their cache slots in deepseek_v32's layout, bit for bit as MlaCore::write_latent:
 // each tile's codes and scale are quantize_fp8_ue8m0 of its 128 values (amax floored at 1e-4, scale the power of two
 // at or above amax / 448, codes e4m3(v / scale) with saturation), the tail f32_to_bf16 (round to nearest even, NaN
 // kept quiet with its sign). The CPU reference throws on a non-finite latent value; a kernel cannot, so a tile holding

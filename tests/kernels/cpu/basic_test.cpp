@@ -122,5 +122,53 @@ TEST(Moe, GroupLimitedRoutingByHand) {
   EXPECT_NEAR(w[0], 0.95f / 2.15f, 1e-6);
 }
 
+// The margin is the gap at each boundary moe_route draws; moving every score by an eighth of it keeps the chosen set
+// (group scores, sums of two, move by a quarter; a gap then shrinks by half at most).
+TEST(Moe, RouteMarginIsTheGapAtTheBoundaries) {
+  // Ungrouped top-2 of sigmoid scores {0.9, 0.2, 0.5, 0.7}: chosen 0.9 and 0.7, first left out 0.5: margin 0.2.
+  const float p4[4] = {0.9f, 0.2f, 0.5f, 0.7f};
+  float logits[8];
+  for (int i = 0; i < 4; ++i) logits[i] = logit(p4[i]);
+  MoeRouting r{4, 2, 1, 1, true, 1.0f};
+  EXPECT_NEAR(moe_route_margin(logits, nullptr, r), 0.2f, 1e-6);
+  // A bias moves the biased scores: {0.9, 1.2, 0.5, 0.7} -> chosen 1.2, 0.9; next 0.7: margin 0.2.
+  const float bias[4] = {0.0f, 1.0f, 0.0f, 0.0f};
+  EXPECT_NEAR(moe_route_margin(logits, bias, r), 0.2f, 1e-6);
+  // Everything chosen: nothing to flip.
+  MoeRouting all{4, 4, 1, 1, true, 1.0f};
+  EXPECT_TRUE(std::isinf(moe_route_margin(logits, nullptr, all)));
+  // Grouped: the by-hand case above has two groups tied at 1.0 (g0 kept, g1 dropped): margin 0.
+  const float p8[8] = {0.95f, 0.05f, 0.5f, 0.5f, 0.6f, 0.6f, 0.3f, 0.2f};
+  for (int i = 0; i < 8; ++i) logits[i] = logit(p8[i]);
+  MoeRouting g{8, 3, 4, 2, true, 1.0f};
+  EXPECT_NEAR(moe_route_margin(logits, nullptr, g), 0.0f, 1e-6);
+  // Raise g0's second expert so the groups part (g0 1.1, g1 1.0): the margin is the smaller of the group gap (0.1)
+  // and the expert gap among {0, 1, 4, 5} = {0.95, 0.15, 0.6, 0.6} (0.6 - 0.15 = 0.45).
+  logits[1] = logit(0.15f);
+  EXPECT_NEAR(moe_route_margin(logits, nullptr, g), 0.1f, 1e-5);
+  // Random scores: a perturbation of an eighth of the margin keeps the chosen set.
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  for (int trial = 0; trial < 200; ++trial) {
+    for (float& v : logits) v = u(rng);
+    const float m = moe_route_margin(logits, nullptr, g);
+    if (m < 1e-4f) continue;  // within the logit round trip's own rounding
+    int32_t a[3], b[3];
+    float wa[3], wb[3];
+    moe_route(logits, nullptr, g, a, wa);
+    // Nudge every score by m / 8 (in sigmoid space, through the logit), up and down alternately.
+    float nudged[8];
+    for (int i = 0; i < 8; ++i) {
+      const float s = 1.0f / (1.0f + std::exp(-logits[i]));
+      const float t = std::clamp(s + (i % 2 ? 0.125f : -0.125f) * m, 1e-6f, 1.0f - 1e-6f);
+      nudged[i] = logit(t);
+    }
+    moe_route(nudged, nullptr, g, b, wb);
+    std::sort(a, a + 3);
+    std::sort(b, b + 3);
+    EXPECT_TRUE(std::equal(a, a + 3, b)) << "trial " << trial << ", margin " << m;
+  }
+}
+
 }  // namespace
 }  // namespace kestrel::cpu

@@ -1,5 +1,5 @@
 // GPU tests of the generic DSA indexer kernels (src/kernels/cuda/dsa_generic.h) against the CPU reference, all bit
-// for bit: the query preparation (hadamard_inplace + quantize_fp8_ue8m0 + MlaAttention::select's weight folding),
+// for bit: the query preparation (hadamard_inplace + quantize_fp8_ue8m0 + MlaCore::select's weight folding),
 // the key writer, the exact scores (cpu::indexer_scores), and topk_decode (dsa.h) over those scores against
 // cpu::topk_indices sorted ascending. Fresh random inputs with fixed seeds, outputs poisoned before every launch,
 // pages scattered in a pool.
@@ -101,7 +101,7 @@ struct Prepared {
   int64_t ties = 0;  // quantised values that sat exactly on an e4m3 midpoint
 };
 
-// MlaAttention::select's steps for every head of every token.
+// MlaCore::select's steps for every head of every token.
 Prepared cpu_query_prep(const std::vector<float>& q, const std::vector<float>& raw, int64_t T, int H, int D) {
   Prepared p;
   p.codes.resize(static_cast<size_t>(T * H * D));

@@ -1,6 +1,6 @@
 // GPU tests of the DSA decode kernels (src/kernels/cuda/dsa.h) against the CPU reference: the index-key writer
-// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA (both kernels, over Kimi's and
-// deepseek_v32's latent entries) within their stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
+// and the exact scores bit for bit, the top-k set bit for bit, the FP8 fast scores and sparse MLA (both kernels, over Kimi's,
+// deepseek_v32's and the bf16 latent entries) within their stated bounds. Fresh random inputs, outputs poisoned before every launch, pages scattered in a pool.
 #include "kernels/cuda/dsa.h"
 
 #include <gtest/gtest.h>
@@ -596,7 +596,7 @@ bool runs_wgmma() {
 }
 
 // deepseek_v32's entry (SparseMlaEntry::v32_fp8) of the latent row x [c (512) ; k_pe (64)], as
-// MlaAttention::write_latent encodes it: per tile of 128, quantize_fp8_ue8m0's codes and scale; the tail in bf16.
+// MlaCore::write_latent encodes it: per tile of 128, quantize_fp8_ue8m0's codes and scale; the tail in bf16.
 void encode_v32_entry(const float* x, uint8_t* e) {
   for (int t = 0; t < kLatentValueDim / 128; ++t) {
     const float scale = quantize_fp8_ue8m0(x + 128 * t, 128, e + 128 * t);
@@ -608,7 +608,7 @@ void encode_v32_entry(const float* x, uint8_t* e) {
   }
 }
 
-// The row MlaAttention::read_latent reads from a deepseek_v32 entry: fp32(code * tile scale), then the bf16 tail.
+// The row MlaCore::read_latent reads from a deepseek_v32 entry: fp32(code * tile scale), then the bf16 tail.
 void decode_v32_entry(const uint8_t* e, float* row) {
   for (int t = 0; t < kLatentValueDim / 128; ++t) {
     float scale;
@@ -624,22 +624,24 @@ void decode_v32_entry(const uint8_t* e, float* row) {
 
 // One sparse MLA decode over fresh random latents in the given entry layout, against cpu::mla_attend_absorbed over
 // the rows as read_latent decodes them, within the bound of dsa.h: the decoded values enter the kernel's bf16
-// products exactly in both layouts (Kimi: codes, with kv_scale applied in fp32; deepseek_v32: code * power-of-two
-// tile scale and bf16 tail values, all bf16 values), so the only differences are the bf16 probabilities in P V
-// (at most 2^-9 max |value|) and fp32 accumulation order: |out - ref| <= 2^-8 max |value| over the attended rows
-// (+1e-6 for values near 0), |lse - ref| <= 1e-4 (1 + |ref|).
+// products exactly in every layout (Kimi: codes, with kv_scale applied in fp32; deepseek_v32: code * power-of-two
+// tile scale and bf16 tail values, all bf16 values; bf16: the values as stored), so the only differences are the
+// bf16 probabilities in P V (at most 2^-9 max |value|) and fp32 accumulation order: |out - ref| <= 2^-8 max |value|
+// over the attended rows (+1e-6 for values near 0), |lse - ref| <= 1e-4 (1 + |ref|).
 void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry, SparseMlaKernel kernel) {
-  const bool v32 = entry == SparseMlaEntry::v32_fp8;
-  const int entry_bytes = v32 ? kV32LatentEntryBytes : kLatentDim;
+  const bool v32 = entry == SparseMlaEntry::v32_fp8, bf16 = entry == SparseMlaEntry::bf16;
+  const int entry_bytes = v32 ? kV32LatentEntryBytes : bf16 ? kBf16LatentEntryBytes : kLatentDim;
   const int H = mc.heads, k = mc.k, batch = static_cast<int>(mc.ctx.size()), rows = batch * mc.n_q;
-  std::mt19937 rng(2024 + H + k + rows + (v32 ? 7 : 0));
+  std::mt19937 rng(2024 + H + k + rows + (v32 ? 7 : 0) + (bf16 ? 13 : 0));
   std::normal_distribution<float> n(0.0f, 1.0f);
-  // deepseek_v32's entry carries its own scales: a kv_scale other than 1 checks that the kernel ignores it.
-  const float kv_scale = v32 ? 3.0f : 4.0f / 448.0f, softmax_scale = 0.1352338f;
+  // deepseek_v32's entry carries its own scales and the bf16 entry has none: a kv_scale other than 1 checks that the
+  // kernel ignores it.
+  const float kv_scale = v32 || bf16 ? 3.0f : 4.0f / 448.0f, softmax_scale = 0.1352338f;
 
   // Latent rows. Kimi: Gaussian values as e4m3 codes of value / kv_scale; the CPU sees code * kv_scale.
-  // deepseek_v32: Gaussian values with a magnitude per tile of 128 (0.3 to 2, and now and then 1e-6, below the
-  // amax floor: small codes, subnormals among them), encoded as write_latent does; the CPU sees the decode.
+  // deepseek_v32 and bf16: Gaussian values with a magnitude per tile of 128 (0.3 to 2, and now and then 1e-6: for
+  // deepseek_v32 below the amax floor, small codes, subnormals among them), encoded as write_latent does (bf16: each
+  // value f32_to_bf16); the CPU sees the decode.
   PagedPool pool(rng, mc.ctx, 64, int64_t{64} * entry_bytes, 0xCC);
   std::uniform_real_distribution<float> tile_mag(0.3f, 2.0f);
   std::vector<std::vector<float>> rows_f(static_cast<size_t>(batch));
@@ -649,14 +651,22 @@ void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry, SparseMlaKernel k
     for (int s = 0; s < mc.ctx[r]; ++s) {
       uint8_t* dst = pool.page(r, s) + static_cast<int64_t>(pool.row(s)) * entry_bytes;
       float* row = rows_f[r].data() + static_cast<size_t>(s) * kLatentDim;
-      if (v32) {
+      if (v32 || bf16) {
         for (int t = 0; t < kLatentValueDim / 128; ++t) {
           const float mag = rng() % 16 == 0 ? 1e-6f : tile_mag(rng);
           for (int c = 128 * t; c < 128 * (t + 1); ++c) x[c] = n(rng) * mag;
         }
         for (int c = kLatentValueDim; c < kLatentDim; ++c) x[c] = n(rng) * 0.5f;
-        encode_v32_entry(x.data(), dst);
-        decode_v32_entry(dst, row);
+        if (v32) {
+          encode_v32_entry(x.data(), dst);
+          decode_v32_entry(dst, row);
+        } else {
+          for (int c = 0; c < kLatentDim; ++c) {
+            const uint16_t b = f32_to_bf16(x[c]);
+            std::memcpy(dst + 2 * c, &b, 2);
+            row[c] = bf16_to_f32(b);
+          }
+        }
       } else {
         for (int c = 0; c < kLatentDim; ++c) {
           const uint8_t code = f32_to_e4m3(n(rng) * (c < kLatentValueDim ? 1.0f : 0.5f) / kv_scale);
@@ -767,7 +777,8 @@ void check_sparse_mla(const MlaCase& mc, SparseMlaEntry entry, SparseMlaKernel k
   }
   const double worst = largest_error(out);
   std::printf("sparse MLA (%s, %s kernel) H=%d k=%d rows=%d: largest |error| / max|v| = %.3g (bound 2^-8 = %.3g)\n",
-              v32 ? "deepseek_v32 entry" : "Kimi entry", kernel == SparseMlaKernel::wgmma ? "wgmma" : "mma.sync", H,
+              v32 ? "deepseek_v32 entry" : bf16 ? "bf16 entry" : "Kimi entry",
+              kernel == SparseMlaKernel::wgmma ? "wgmma" : "mma.sync", H,
               k, rows, worst, std::ldexp(1.0, -8));
   if (kernel == SparseMlaKernel::wgmma) {
     // Same contract, same splits and the same P for the same scores: the wgmma kernel's largest error stays near the
@@ -793,6 +804,14 @@ TEST_P(DsaSparseMla, V32EntryMatchesCpuWithinBound) {
   const auto& [mc, kernel] = GetParam();
   if (kernel == SparseMlaKernel::wgmma && !runs_wgmma()) GTEST_SKIP() << "the wgmma kernel needs compute capability 9.0";
   check_sparse_mla(mc, SparseMlaEntry::v32_fp8, kernel);
+}
+
+// The bf16 entry (kBf16LatentEntryBytes, no scale), as the engine's --kv-cache-dtype auto caches the latent.
+TEST_P(DsaSparseMla, Bf16EntryMatchesCpuWithinBound) {
+  REQUIRE_GPU();
+  const auto& [mc, kernel] = GetParam();
+  if (kernel == SparseMlaKernel::wgmma && !runs_wgmma()) GTEST_SKIP() << "the wgmma kernel needs compute capability 9.0";
+  check_sparse_mla(mc, SparseMlaEntry::bf16, kernel);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DsaSparseMla,
@@ -851,6 +870,18 @@ TEST(DsaArguments, BadShapesThrow) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
   }
+  // A bf16 entry is 1152 bytes: pages sized for deepseek_v32's 656-byte entries are refused.
+  a = plausible_sparse_mla_args();
+  a.entry = SparseMlaEntry::bf16;
+  try {
+    sparse_mla_decode(a, nullptr, 0, nullptr);
+    ADD_FAILURE() << "bf16 entries in pages of 656-byte rows were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("smaller than its page_size rows"), std::string::npos) << e.what();
+  }
+  a.latent_pages.page_stride = int64_t{64} * kBf16LatentEntryBytes;
+  a.entry = static_cast<SparseMlaEntry>(7);
+  EXPECT_THROW(sparse_mla_decode(a, nullptr, 0, nullptr), Error);
 }
 
 // Both sparse MLA kernels load q_abs in 16-byte pieces: an 8-byte aligned query is refused before any launch. The

@@ -1,5 +1,5 @@
 // GPU tests of the 4-bit cache formats (src/kernels/cuda/fp4_cache.h) and of the generic kernels reading them, against
-// the CPU reference: the NVFP4 latent writer bit for bit against MlaAttention::write_latent's encoding (nvfp4_encode
+// the CPU reference: the NVFP4 latent writer bit for bit against MlaCore::write_latent's encoding (nvfp4_encode
 // and the e4m3 tail), the NVFP4 decode of mla_attend_generic bit for bit against read_latent's (one-position rows),
 // its attention against cpu::mla_attend_absorbed over read_latent rows (fp32 bound), the MXFP4 key writer bit for bit
 // against hadamard_inplace + mxfp4_encode, and index_scores_generic over MXFP4 keys bit for bit against
@@ -40,7 +40,7 @@ using namespace test_util;
 
 // ---------------------------------------------------------------- the CPU side of the formats
 
-// MlaAttention::write_latent (nvfp4): nvfp4_encode of c with tensor scale kv_scale (block by block: the encoder
+// MlaCore::write_latent (nvfp4): nvfp4_encode of c with tensor scale kv_scale (block by block: the encoder
 // treats blocks independently), the tail as e4m3(clamp(v / kv_scale)). A block holding a non-finite value, where the
 // CPU throws, gets fp4_cache.h's stand-in: the e4m3 NaN scale code and zero codes.
 void cpu_write_nvfp4(const float* kv, int C, int R, float kv_scale, uint8_t* e) {
@@ -56,13 +56,13 @@ void cpu_write_nvfp4(const float* kv, int C, int R, float kv_scale, uint8_t* e) 
   for (int i = 0; i < R; ++i) e[C / 2 + C / 16 + i] = f32_to_e4m3(std::clamp(kv[C + i] / kv_scale, -kE4m3Max, kE4m3Max));
 }
 
-// MlaAttention::read_latent (nvfp4).
+// MlaCore::read_latent (nvfp4).
 void cpu_read_nvfp4(const uint8_t* e, int C, int R, float kv_scale, float* row) {
   nvfp4_decode(e, e + C / 2, C, kv_scale, row);
   for (int i = 0; i < R; ++i) row[C + i] = e4m3_to_f32(e[C / 2 + C / 16 + i]) * kv_scale;
 }
 
-// mxfp4_key_as_fp8 of src/model/layers.cpp, restated from its contract (the kernel tests link no model code; the
+// mxfp4_key_as_fp8 of src/cpu/mla_core.cpp, restated from its contract (the kernel tests link no model code; the
 // model test in tests/gpu runs the real one against the GPU): codes e4m3(e2m1 * 2^(e_b - e_max + 6)), scale
 // 2^(e_max - 133).
 float cpu_mxfp4_key_as_fp8(const uint8_t* packed, const uint8_t* exponents, int D, uint8_t* codes) {

@@ -20,7 +20,7 @@
 
 namespace kestrel::cuda::test_util {
 
-// fp32(n^-1/2) as MlaAttention::select computes it.
+// fp32(n^-1/2) as MlaCore::select computes it.
 inline float inv_sqrt(int n) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
 
 // A value z with fl(z * norm) == m, searched within a few ulps of m / norm.
@@ -85,7 +85,7 @@ inline ScoreCounts compare_scores(const ScoreRun& run) {
 }
 
 // topk_decode over the GPU's scores of a case (contexts not cut by max_ctx), for k = 16 and 50, against
-// MlaAttention::select: cpu::topk_indices over the CPU's scores, then ascending; padded with -1 at the end here.
+// MlaCore::select: cpu::topk_indices over the CPU's scores, then ascending; padded with -1 at the end here.
 inline void expect_topk_matches_cpu(const ScoreCase& c, const ScoreRun& run) {
   const int batch = static_cast<int>(c.ctx.size());
   for (const int k : {16, 50}) {

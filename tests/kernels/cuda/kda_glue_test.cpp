@@ -212,7 +212,7 @@ const char* name(Preprocess p) {
   return "";
 }
 
-// T tokens of H heads: the raw model-side inputs and the preprocessed ones the CPU reference takes, as layers.cpp
+// T tokens of H heads: the raw model-side inputs and the preprocessed ones the CPU reference takes, as src/cpu/kda_core.cpp
 // prepares them (q, k l2-normalised with eps 1e-6; g = kda_gate(f); beta = sigmoid(logit)).
 struct Tokens {
   int64_t T;

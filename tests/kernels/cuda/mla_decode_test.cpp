@@ -1,8 +1,11 @@
 // GPU tests of the dense MLA decode kernel (src/kernels/cuda/mla_decode.h) against cpu::mla_attend_absorbed over
 // the dequantised latent rows, within the bound stated in mla_decode.h: fresh random inputs per case, outputs
 // poisoned before every launch, pages scattered over a pool with unowned pages and rows past each context holding
-// NaN, contexts 1 .. 70000, one or two query tokens, both latent formats. Every launch is repeated and must give the
-// same bits.
+// NaN, contexts 1 .. 70000, one or two query tokens, both latent formats; and the shapes the engine launches
+// (src/gpu/gpu_model.cpp): prompts as n_q causal queries of one request (a whole first chunk, a chunk after a prefix),
+// decode batches of 32 and 64 requests of mixed lengths, max_ctx_len rounded up past every length (a power of two, or
+// max_model_len for a replayed graph), over the bf16 entry as the engine caches it (mla_latent_write_bf16, no scale:
+// kv_scale 1; its bytes checked against f32_to_bf16 first). Every launch is repeated and must give the same bits.
 #include "kernels/cuda/mla_decode.h"
 
 #include <gtest/gtest.h>
@@ -24,6 +27,7 @@
 #include "core/error.h"
 #include "core/formats.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cuda/mla_glue.h"
 #include "kernels/cuda/runtime.h"
 #include "cuda_test_util.h"
 
@@ -56,16 +60,26 @@ struct MlaCase {
   std::vector<int> ctx;
   float q_sigma;
   float kv_scale;
-  bool wide_rows;  // query rows scaled by 1e-3, 1 or 3e5 (past f16's range: the per-row query scale must act)
+  bool wide_rows;   // query rows scaled by 1e-3, 1 or 3e5 (past f16's range: the per-row query scale must act)
+  int max_ctx_len;  // 0: the longest context; else larger (the engine rounds it up, or passes max_model_len)
+  bool written;     // bf16 only: the pages written on the GPU by mla_latent_write_bf16 (the engine's writer)
 };
 
 std::string case_name(const ::testing::TestParamInfo<MlaCase>& info) {
   const MlaCase& c = info.param;
   std::string s = c.dtype == LatentDtype::bf16 ? "bf16" : "fp8";
   s.append("_h").append(std::to_string(c.heads)).append("_nq").append(std::to_string(c.n_q));
-  s.append("_page").append(std::to_string(c.page_size)).append("_ctx");
-  for (int x : c.ctx) s.append("_").append(std::to_string(x));
+  s.append("_page").append(std::to_string(c.page_size));
+  if (c.ctx.size() <= 5) {
+    s.append("_ctx");
+    for (int x : c.ctx) s.append("_").append(std::to_string(x));
+  } else {
+    s.append("_b").append(std::to_string(c.ctx.size())).append("_ctxmax");
+    s.append(std::to_string(*std::max_element(c.ctx.begin(), c.ctx.end())));
+  }
+  if (c.max_ctx_len > 0) s.append("_max").append(std::to_string(c.max_ctx_len));
   if (c.wide_rows) s.append("_wide");
+  if (c.written) s.append("_written");
   return s;
 }
 
@@ -79,8 +93,13 @@ struct LatentPool {
   std::vector<uint8_t> bytes;
   std::vector<int32_t> block_table;
   std::vector<std::vector<float>> values;  // per request: [ctx, 576] dequantised rows (what the CPU sees)
+  // With keep_raw: every request's [ctx, 576] rows before encoding, request after request, and each row's cache slot
+  // (page * page_size + row).
+  std::vector<float> raw;
+  std::vector<int64_t> slots;
 
-  LatentPool(std::mt19937& rng, const std::vector<int>& ctx, int page_size_, LatentDtype dtype, float kv_scale)
+  LatentPool(std::mt19937& rng, const std::vector<int>& ctx, int page_size_, LatentDtype dtype, float kv_scale,
+             bool keep_raw)
       : page_size(page_size_), row_bytes(latent_row_bytes(dtype)),
         page_stride(int64_t{page_size_} * latent_row_bytes(dtype) + 48) {
     ScatteredPages pages = scatter_pages(rng, ctx, page_size, /*spare_columns=*/0);
@@ -96,8 +115,10 @@ struct LatentPool {
         uint8_t* row = bytes.data() + int64_t{block_table[r * bt_stride + s / page_size]} * page_stride +
                        int64_t{s % page_size} * row_bytes;
         float* ref = values[r].data() + static_cast<size_t>(s) * kLatentDim;
+        if (keep_raw) slots.push_back(int64_t{block_table[r * bt_stride + s / page_size]} * page_size + s % page_size);
         for (int c = 0; c < kLatentDim; ++c) {
           const float v = n(rng) * (c < kC ? 1.0f : 0.5f);
+          if (keep_raw) raw.push_back(v);
           if (dtype == LatentDtype::fp8_e4m3) {
             const uint8_t code = f32_to_e4m3(v / kv_scale);
             row[c] = code;
@@ -123,7 +144,7 @@ TEST_P(MlaDecode, MatchesCpuWithinBound) {
                    (mc.dtype == LatentDtype::bf16 ? 100 : 0));
   std::normal_distribution<float> n(0.0f, 1.0f);
   const float softmax_scale = 0.1352338f;
-  const LatentPool pool(rng, mc.ctx, mc.page_size, mc.dtype, mc.kv_scale);
+  const LatentPool pool(rng, mc.ctx, mc.page_size, mc.dtype, mc.kv_scale, mc.written);
 
   std::vector<uint16_t> q(static_cast<size_t>(rows) * H * kLatentDim);
   static const float kRowScales[] = {1e-3f, 1.0f, 3e5f};
@@ -132,8 +153,23 @@ TEST_P(MlaDecode, MatchesCpuWithinBound) {
     for (int c = 0; c < kLatentDim; ++c) q[row * kLatentDim + c] = f32_to_bf16(n(rng) * s);
   }
 
-  const int max_ctx = *std::max_element(mc.ctx.begin(), mc.ctx.end());
+  const int longest = *std::max_element(mc.ctx.begin(), mc.ctx.end());
+  const int max_ctx = mc.max_ctx_len > 0 ? mc.max_ctx_len : longest;
+  ASSERT_GE(max_ctx, longest);
   DeviceBuffer<uint8_t> pool_d = to_device(pool.bytes);
+  if (mc.written) {
+    // The engine's bf16 cache: the same rows written on the GPU into a pool of NaN patterns, which must come out as
+    // the host's f32_to_bf16 encoding byte for byte (kv_scale 1: bf16 entries have no scale) before it is attended.
+    ASSERT_EQ(mc.dtype, LatentDtype::bf16);
+    ASSERT_EQ(mc.kv_scale, 1.0f);
+    pool_d = to_device(std::vector<uint8_t>(pool.bytes.size(), 0x7F));
+    const DeviceBuffer<float> raw_d = to_device(pool.raw);
+    const DeviceBuffer<int64_t> slots_d = to_device(pool.slots);
+    mla_latent_write_bf16(raw_d.get(), kLatentDim, static_cast<int64_t>(pool.slots.size()), kC, kR, slots_d.get(),
+                          Pages{pool_d.get(), pool.page_stride, pool.page_size}, nullptr);
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    ASSERT_TRUE(to_host(pool_d) == pool.bytes) << "mla_latent_write_bf16's pages differ from f32_to_bf16's";
+  }
   const DeviceBuffer<int32_t> bt_d = to_device(pool.block_table);
   const DeviceBuffer<int32_t> ctx_d = to_device(std::vector<int32_t>(mc.ctx.begin(), mc.ctx.end()));
   const DeviceBuffer<uint16_t> q_d = to_device(q);
@@ -227,18 +263,47 @@ const LatentDtype kFp8 = LatentDtype::fp8_e4m3;
 const LatentDtype kBf16 = LatentDtype::bf16;
 const float kKimiScale = 4.0f / 448.0f;
 
+// n context lengths in [lo, hi], drawn from a fixed seed: a decode batch of requests at mixed positions.
+std::vector<int> mixed_lengths(int n, int lo, int hi, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> len(lo, hi);
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int& x : v) x = len(rng);
+  return v;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MlaDecode,
-    ::testing::Values(MlaCase{kFp8, 128, 1, 64, {1, 63, 64, 1000, 5000}, 1.0f, kKimiScale, false},
-                      MlaCase{kFp8, 128, 2, 64, {2, 63, 64, 1000, 5000}, 1.0f, kKimiScale, false},
-                      MlaCase{kFp8, 16, 1, 16, {1, 63, 64, 1000, 5000}, 2.0f, kKimiScale, false},
-                      MlaCase{kFp8, 96, 2, 128, {63, 1000, 3}, 1.0f, kKimiScale, false},
-                      MlaCase{kFp8, 64, 1, 64, {70000}, 1.0f, kKimiScale, false},
-                      MlaCase{kFp8, 128, 2, 64, {20000, 33}, 1.0f, kKimiScale, false},
-                      MlaCase{kFp8, 32, 1, 32, {64, 1000, 5000}, 1.0f, kKimiScale, true},
-                      MlaCase{kBf16, 128, 1, 64, {1, 63, 64, 1000, 5000}, 1.0f, 1.0f, false},
-                      MlaCase{kBf16, 64, 2, 32, {2, 64, 5000}, 1.0f, 0.5f, false},
-                      MlaCase{kBf16, 32, 1, 64, {50000}, 1.0f, 1.0f, false}),
+    ::testing::Values(MlaCase{kFp8, 128, 1, 64, {1, 63, 64, 1000, 5000}, 1.0f, kKimiScale, false, 0, false},
+                      MlaCase{kFp8, 128, 2, 64, {2, 63, 64, 1000, 5000}, 1.0f, kKimiScale, false, 0, false},
+                      MlaCase{kFp8, 16, 1, 16, {1, 63, 64, 1000, 5000}, 2.0f, kKimiScale, false, 0, false},
+                      MlaCase{kFp8, 96, 2, 128, {63, 1000, 3}, 1.0f, kKimiScale, false, 0, false},
+                      MlaCase{kFp8, 64, 1, 64, {70000}, 1.0f, kKimiScale, false, 0, false},
+                      MlaCase{kFp8, 128, 2, 64, {20000, 33}, 1.0f, kKimiScale, false, 0, false},
+                      MlaCase{kFp8, 32, 1, 32, {64, 1000, 5000}, 1.0f, kKimiScale, true, 0, false},
+                      MlaCase{kBf16, 128, 1, 64, {1, 63, 64, 1000, 5000}, 1.0f, 1.0f, false, 0, false},
+                      MlaCase{kBf16, 64, 2, 32, {2, 64, 5000}, 1.0f, 0.5f, false, 0, false},
+                      MlaCase{kBf16, 32, 1, 64, {50000}, 1.0f, 1.0f, false, 0, false}),
+    case_name);
+
+// The engine's launches (gpu_model.cpp): a prompt is one request whose n_q tokens are causal queries, with
+// max_ctx_len its length rounded up to a power of two; the generated tokens of a step are one launch of n_q = 1 over
+// every decoding request, max_ctx_len the longest rounded up (or max_model_len when the step is a replayed graph).
+// The bf16 cases read the entries as the engine caches them: written by mla_latent_write_bf16, kv_scale 1.
+INSTANTIATE_TEST_SUITE_P(
+    EngineShapes, MlaDecode,
+    ::testing::Values(
+        // Whole prompts (the first chunk: n_q = ctx) at Kimi Linear's 32 heads and 128 heads.
+        MlaCase{kBf16, 32, 300, 64, {300}, 1.0f, 1.0f, false, 512, true},
+        MlaCase{kBf16, 128, 64, 64, {64}, 1.0f, 1.0f, false, 64, true},
+        // A chunk of 37 tokens after a prefix of 1963, and 100 tokens after 1000 (FP8, for comparison).
+        MlaCase{kBf16, 128, 37, 64, {2000}, 1.0f, 1.0f, false, 2048, true},
+        MlaCase{kFp8, 64, 100, 64, {1100}, 1.0f, kKimiScale, false, 2048, false},
+        // Decode batches of 32 and 64 requests, max_ctx_len rounded up and max_model_len (graph replay).
+        MlaCase{kBf16, 128, 1, 64, mixed_lengths(32, 1, 3000, 41), 1.0f, 1.0f, false, 4096, true},
+        MlaCase{kBf16, 64, 1, 16, mixed_lengths(64, 1, 700, 42), 1.0f, 1.0f, false, 131072, true},
+        MlaCase{kBf16, 32, 1, 64, mixed_lengths(64, 1, 1500, 43), 1.0f, 1.0f, false, 2048, true},
+        MlaCase{kFp8, 128, 1, 64, mixed_lengths(32, 1, 3000, 44), 1.0f, kKimiScale, false, 32768, false}),
     case_name);
 
 TEST(MlaDecodeArguments, BadArgumentsThrow) {

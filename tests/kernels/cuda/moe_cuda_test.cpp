@@ -1,13 +1,16 @@
 // GPU MoE routing and routed experts against the CPU reference: cpu::moe_route, and MoE::forward's expert math
-// (cpu::linear, cpu::swiglu) on the same bf16 / MXFP4 values, on fresh random inputs.
+// (cpu::linear, cpu::swiglu) on the same bf16 / MXFP4 values, and cpu::expert_ffn_fp8_block's rule for FP8
+// block-scaled experts (stage by stage, with a bound on every element), on fresh random inputs.
 #include "kernels/cuda/moe.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -15,7 +18,9 @@
 
 #include "core/error.h"
 #include "core/formats.h"
+#include "fp8_block_check.h"
 #include "kernels/cpu/basic.h"
+#include "kernels/cpu/fp8_linear.h"
 #include "kernels/cpu/moe.h"
 #include "kernels/cuda/runtime.h"
 
@@ -35,6 +40,8 @@ double rel_err(const float* a, const float* b, size_t n) {
     num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
     den += static_cast<double>(b[i]) * b[i];
   }
+  // An all-zero reference (a token of zero activations) is matched only by zeros.
+  if (den == 0.0) return num == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
   return std::sqrt(num / den);
 }
 
@@ -382,6 +389,298 @@ TEST(MoeExperts, GraphReplayEqualsDirectCalls) {
   KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// ---------------------------------------------------------------- FP8 block-scaled experts
+
+// One layer's FP8 experts: random codes (no NaN) and block scales, host copies for the CPU, device copies for the GPU.
+struct Fp8Experts {
+  int E;
+  int64_t D, F;
+  std::vector<uint8_t> w13, w2;  // [E, 2F, D], [E, D, F]
+  std::vector<float> s13, s2;    // [E, 2F/128, D/128], [E, D/128, F/128]
+  DeviceBuffer<uint8_t> d_w13, d_w2;
+  DeviceBuffer<float> d_s13, d_s2;
+
+  Fp8Experts(int e, int64_t d, int64_t f, uint64_t seed) : E(e), D(d), F(f) {
+    w13.resize(static_cast<size_t>(E * 2 * F * D));
+    w2.resize(static_cast<size_t>(E * D * F));
+    fp8_check::random_codes(w13.data(), static_cast<int64_t>(w13.size()), seed);
+    fp8_check::random_codes(w2.data(), static_cast<int64_t>(w2.size()), seed + 1);
+    // e4m3 codes reach 448: scales near 2^-11 keep gate/up and down outputs O(1) for activations O(1).
+    s13 = fp8_check::random_scales(E * (2 * F / 128) * (D / 128), seed + 2, -13, -10);
+    s2 = fp8_check::random_scales(E * (D / 128) * (F / 128), seed + 3, -13, -10);
+    d_w13 = to_device(w13);
+    d_w2 = to_device(w2);
+    d_s13 = to_device(s13);
+    d_s2 = to_device(s2);
+  }
+  const uint8_t* w13_of(int e) const { return w13.data() + static_cast<size_t>(e) * 2 * F * D; }
+  const float* s13_of(int e) const { return s13.data() + static_cast<size_t>(e) * (2 * F / 128) * (D / 128); }
+  const uint8_t* w2_of(int e) const { return w2.data() + static_cast<size_t>(e) * D * F; }
+  const float* s2_of(int e) const { return s2.data() + static_cast<size_t>(e) * (D / 128) * (F / 128); }
+  MoeExpertWeights view() const {
+    MoeExpertWeights w;
+    w.dtype = ExpertDtype::fp8_block;
+    w.n_experts = E;
+    w.D = D;
+    w.F = F;
+    w.fp8_w13 = d_w13.get();
+    w.fp8_w13_scales = d_s13.get();
+    w.fp8_w2 = d_w2.get();
+    w.fp8_w2_scales = d_s2.get();
+    return w;
+  }
+};
+
+template <typename T>
+std::vector<T> download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n > 0) KESTREL_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+std::vector<float> run_fp8_experts(const Fp8Experts& w, const DeviceBuffer<float>& x, int64_t T,
+                                   const DeviceBuffer<int32_t>& ids, const DeviceBuffer<float>& weights, int top_k,
+                                   DeviceBuffer<uint8_t>& ws) {
+  DeviceBuffer<float> y(static_cast<size_t>(T * w.D));
+  poison(ws);
+  poison(y);
+  moe_experts(x.get(), T, ids.get(), weights.get(), top_k, w.view(), y.get(), ws.get(), ws.size(), nullptr);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  return to_host(y);
+}
+
+// Checks one call stage by stage against the CPU, every element against its bound:
+//  1. the sort: the valid pairs grouped by expert, in pair order within an expert;
+//  2. gate/up and swiglu: the GPU's fp32 swiglu rows against swiglu of cpu::linear_fp8_block's gate and up, within
+//     the product bound propagated through silu (|silu'| < 1.1) and the product with up, plus 2^-20 relative for the
+//     two sides' different exp;
+//  3. the GPU's quantized swiglu rows: bit for bit cpu::quantize_fp8_groups of the GPU's fp32 rows;
+//  4. down and combine: y against the CPU's down product of the GPU's quantized rows, combined in rank order, within
+//     the weighted sum of the product bounds plus the combine's roundings;
+// and end to end against the CPU alone (cpu::expert_ffn_fp8_block's rule on the CPU's own swiglu rows) per token:
+// there the two sides' swiglu rows may quantize to neighbouring codes where a value lies within their difference of a
+// rounding midpoint (rare: a ~1e-6 relative difference against the 2^-4 spacing of e4m3), so the bound is relative
+// per token, as for bf16 experts.
+void check_fp8_experts(const ExpertCase& c, const Fp8Experts& w, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.name) + " fp8_block");
+  const int64_t T = c.T, D = c.D, F = c.F, P = T * c.top_k;
+  const int E = c.E, top_k = c.top_k;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  make_routing(c, rng, ids, weights);
+  const std::vector<float> x = fp8_check::random_activations(T, D, D, seed + 5);
+  const DeviceBuffer<float> d_x = to_device(x);
+  const DeviceBuffer<int32_t> d_ids = to_device(ids);
+  const DeviceBuffer<float> d_weights = to_device(weights);
+  DeviceBuffer<uint8_t> ws(moe_workspace_bytes(T, top_k, E, D, F, ExpertDtype::fp8_block));
+  const std::vector<float> y = run_fp8_experts(w, d_x, T, d_ids, d_weights, top_k, ws);
+
+  const detail::MoeFp8Intermediates im = detail::moe_fp8_intermediates(ws.get(), T, top_k, E, D, F);
+  const std::vector<int32_t> offset = download(im.expert_offset, E + 1);
+  const std::vector<int32_t> sorted = download(im.sorted_pair, P);
+  const int64_t rows = offset[E];
+
+  // 1. The sort.
+  std::vector<int32_t> want_sorted;
+  std::vector<int32_t> want_offset(E + 1, 0);
+  for (int e = 0; e < E; ++e) {
+    want_offset[e] = static_cast<int32_t>(want_sorted.size());
+    for (int64_t p = 0; p < P; ++p)
+      if (ids[p] == e) want_sorted.push_back(static_cast<int32_t>(p));
+  }
+  want_offset[E] = static_cast<int32_t>(want_sorted.size());
+  ASSERT_EQ(offset, want_offset);
+  ASSERT_TRUE(std::equal(want_sorted.begin(), want_sorted.end(), sorted.begin()));
+
+  const std::vector<float> h_gpu = download(im.h_f32, static_cast<size_t>(rows * F));
+  const std::vector<uint8_t> hc_gpu = download(im.h_codes, static_cast<size_t>(rows * F));
+  const std::vector<float> hs_gpu = download(im.h_scales, static_cast<size_t>(rows * (F / 128)));
+
+  std::vector<float> out_ref(static_cast<size_t>(P * D), 0.0f), out_bound(out_ref.size(), 0.0f);
+  std::vector<float> out_cpu(out_ref.size(), 0.0f);  // the CPU alone
+  double worst_h = 0.0, worst_out = 0.0;
+  int64_t code_differences = 0;
+  for (int e = 0; e < E; ++e) {
+    const int64_t r0 = offset[e], n = offset[e + 1] - offset[e];
+    if (n == 0) continue;
+    // 2. gate/up and swiglu for the expert's rows (in sorted order).
+    std::vector<float> xe(static_cast<size_t>(n * D));
+    for (int64_t j = 0; j < n; ++j)
+      std::copy_n(x.data() + (sorted[r0 + j] / top_k) * D, D, xe.data() + j * D);
+    std::vector<uint8_t> xc(static_cast<size_t>(n * D));
+    std::vector<float> xs(static_cast<size_t>(n * (D / 128))), gu(static_cast<size_t>(n * 2 * F));
+    cpu::quantize_fp8_groups(xe.data(), n, D, D, xc.data(), xs.data());
+    cpu::linear_fp8_block_quantized(xc.data(), xs.data(), n, D, w.w13_of(e), w.s13_of(e), 2 * F, gu.data());
+    const std::vector<double> a_gu = fp8_check::magnitude_bound(xc.data(), xs.data(), n, D, w.w13_of(e), w.s13_of(e),
+                                                                2 * F);
+    std::vector<float> h_cpu(static_cast<size_t>(n * F)), h_bound(h_cpu.size());
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = gu.data() + j * 2 * F;
+      cpu::swiglu(row, row + F, h_cpu.data() + j * F, F);
+      for (int64_t f = 0; f < F; ++f) {
+        const double bg = fp8_check::linear_bound(a_gu[j * 2 * F + f], D, fp8_check::kMmaC);
+        const double bu = fp8_check::linear_bound(a_gu[j * 2 * F + F + f], D, fp8_check::kMmaC);
+        const double b = 1.1 * bg * (std::fabs(row[F + f]) + bu) + std::fabs(cpu::silu(row[f])) * bu;
+        h_bound[j * F + f] = static_cast<float>(b + 0x1p-20 * (std::fabs(h_cpu[j * F + f]) + b));
+      }
+    }
+    worst_h = std::max(worst_h, fp8_check::expect_within("swiglu rows", h_gpu.data() + r0 * F, F, h_cpu.data(), n, F,
+                                                         [&](int64_t j, int64_t f) { return h_bound[j * F + f]; }));
+
+    // 3. The quantizer on the GPU's swiglu rows.
+    std::vector<uint8_t> hc(static_cast<size_t>(n * F));
+    std::vector<float> hs(static_cast<size_t>(n * (F / 128)));
+    cpu::quantize_fp8_groups(h_gpu.data() + r0 * F, n, F, F, hc.data(), hs.data());
+    EXPECT_TRUE(std::equal(hc.begin(), hc.end(), hc_gpu.begin() + r0 * F)) << "expert " << e << ": h codes";
+    for (size_t i = 0; i < hs.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(hs[i]), std::bit_cast<uint32_t>(hs_gpu[r0 * (F / 128) + i]))
+          << "expert " << e << ": h scale " << i;
+
+    // 4. down on the GPU's quantized rows.
+    std::vector<float> out(static_cast<size_t>(n * D));
+    cpu::linear_fp8_block_quantized(hc.data(), hs.data(), n, F, w.w2_of(e), w.s2_of(e), D, out.data());
+    const std::vector<double> a_out = fp8_check::magnitude_bound(hc.data(), hs.data(), n, F, w.w2_of(e), w.s2_of(e), D);
+    // The CPU alone: its own swiglu rows quantized, then down.
+    std::vector<uint8_t> hc_cpu(static_cast<size_t>(n * F));
+    std::vector<float> hs_cpu(static_cast<size_t>(n * (F / 128))), out_alone(static_cast<size_t>(n * D));
+    cpu::quantize_fp8_groups(h_cpu.data(), n, F, F, hc_cpu.data(), hs_cpu.data());
+    cpu::linear_fp8_block_quantized(hc_cpu.data(), hs_cpu.data(), n, F, w.w2_of(e), w.s2_of(e), D, out_alone.data());
+    for (int64_t i = 0; i < n * F; ++i) code_differences += hc_cpu[i] != hc[i];
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pair = sorted[r0 + j];
+      std::copy_n(out.data() + j * D, D, out_ref.data() + pair * D);
+      std::copy_n(out_alone.data() + j * D, D, out_cpu.data() + pair * D);
+      for (int64_t d = 0; d < D; ++d)
+        out_bound[pair * D + d] = static_cast<float>(fp8_check::linear_bound(a_out[j * D + d], F, fp8_check::kMmaC));
+    }
+  }
+
+  // 4 (cont.). The combine, in rank order, and y's bound: each slot's product bound times its weight, plus a rounding
+  // of each product and sum (2^-23 of the sum of |w o|).
+  std::vector<float> y_ref(static_cast<size_t>(T * D), 0.0f), y_alone(y_ref.size(), 0.0f);
+  std::vector<double> y_bound(y_ref.size(), 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int s = 0; s < top_k; ++s) {
+      const int64_t pair = t * top_k + s;
+      if (ids[pair] < 0 || ids[pair] >= E) continue;
+      const float wgt = weights[pair];
+      for (int64_t d = 0; d < D; ++d) {
+        y_ref[t * D + d] += wgt * out_ref[pair * D + d];
+        y_alone[t * D + d] += wgt * out_cpu[pair * D + d];
+        y_bound[t * D + d] += std::fabs(wgt) * (out_bound[pair * D + d] + 0x1p-23 * std::fabs(out_ref[pair * D + d])) +
+                              0x1p-23 * std::fabs(y_ref[t * D + d]);
+      }
+    }
+  worst_out = fp8_check::expect_within("y", y.data(), D, y_ref.data(), T, D,
+                                       [&](int64_t t, int64_t d) { return y_bound[t * D + d]; });
+
+  // End to end against the CPU alone, per token (tokens with every slot masked are 0 on both sides).
+  double worst_token = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    bool any = false;
+    for (int s = 0; s < top_k; ++s) any |= ids[t * top_k + s] >= 0;
+    if (!any) {
+      for (int64_t d = 0; d < D; ++d) ASSERT_EQ(y[t * D + d], 0.0f) << "token " << t;
+      continue;
+    }
+    const double err = rel_err(y.data() + t * D, y_alone.data() + t * D, D);
+    worst_token = std::max(worst_token, err);
+    EXPECT_LE(err, kTokenBound) << "token " << t;
+  }
+  const double batch = rel_err(y.data(), y_alone.data(), y.size());
+  EXPECT_LE(batch, kBatchBound);
+  std::printf("  %-24s fp8   bound used: swiglu %.3f, y %.3f; against the CPU alone: batch %.2e, worst token %.2e, "
+              "%lld of %lld swiglu codes differ\n",
+              c.name, worst_h, worst_out, batch, worst_token, static_cast<long long>(code_differences),
+              static_cast<long long>(rows * F));
+
+  // Deterministic: a second run (freshly poisoned workspace) gives the same bits.
+  const std::vector<float> again = run_fp8_experts(w, d_x, T, d_ids, d_weights, top_k, ws);
+  EXPECT_EQ(std::memcmp(y.data(), again.data(), y.size() * sizeof(float)), 0);
+}
+
+TEST(MoeExperts, Fp8MatchesCpu) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const ExpertCase cases[] = {
+      {"T1_k2", 1, 2, 16, 256, 128, 16, false, false},
+      {"T5_k8_some_empty", 5, 8, 16, 256, 128, 12, false, false},
+      {"T20_k2", 20, 2, 8, 384, 256, 8, false, false},
+      {"T40_k8_some_empty", 40, 8, 32, 256, 128, 24, false, false},
+      {"T64_k8_wide", 64, 8, 16, 1024, 256, 16, false, false},
+      {"T100_k6_skew_F384", 100, 6, 16, 512, 384, 16, true, false},
+      {"T300_k8_skew_masked", 300, 8, 64, 256, 128, 48, true, true},
+  };
+  uint64_t seed = 300;
+  for (const ExpertCase& c : cases) {
+    const Fp8Experts w(c.E, c.D, c.F, seed);
+    check_fp8_experts(c, w, seed + 1);
+    seed += 10;
+  }
+}
+
+// DeepSeek-V3.2's routed experts: D = 7168, F = 2048, 256 experts, top-8 (11.3 GB of FP8 weights, made once).
+TEST(MoeExperts, Fp8DeepSeekShapesMatchCpu) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const Fp8Experts w(256, 7168, 2048, 9000);
+  const ExpertCase cases[] = {
+      {"deepseek_T1", 1, 8, 256, 7168, 2048, 256, false, false},
+      {"deepseek_T8", 8, 8, 256, 7168, 2048, 256, false, false},
+      {"deepseek_T64", 64, 8, 256, 7168, 2048, 256, false, false},
+      {"deepseek_T300_skew_masked", 300, 8, 256, 7168, 2048, 256, true, true},
+  };
+  uint64_t seed = 9100;
+  for (const ExpertCase& c : cases) check_fp8_experts(c, w, seed += 10);
+}
+
+// Routing and FP8 experts captured once in a CUDA graph and replayed on new logits give the bits of direct calls.
+TEST(MoeExperts, Fp8GraphReplayEqualsDirectCalls) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t T = 37, D = 256, F = 256;
+  const MoeRoutingParams p{64, 8, 8, 4, true, 2.5f};
+  const Fp8Experts w(p.n_experts, D, F, 17);
+  std::mt19937 rng(18);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  DeviceBuffer<float> x = to_device(fp8_check::random_activations(T, D, D, 19));
+  DeviceBuffer<float> logits(static_cast<size_t>(T) * p.n_experts), bias = to_device(std::vector<float>(64, 0.01f));
+  DeviceBuffer<int32_t> ids(static_cast<size_t>(T) * p.top_k);
+  DeviceBuffer<float> weights(ids.size()), y(static_cast<size_t>(T * D));
+  DeviceBuffer<uint8_t> ws(moe_workspace_bytes(T, p.top_k, p.n_experts, D, F, ExpertDtype::fp8_block));
+
+  cudaStream_t stream;
+  KESTREL_CUDA_CHECK(cudaStreamCreate(&stream));
+  auto step = [&] {
+    moe_route(logits.get(), bias.get(), T, p, ids.get(), weights.get(), stream);
+    moe_experts(x.get(), T, ids.get(), weights.get(), p.top_k, w.view(), y.get(), ws.get(), ws.size(), stream);
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step();
+  KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int round = 0; round < 3; ++round) {
+    std::vector<float> l(static_cast<size_t>(T) * p.n_experts);
+    for (float& v : l) v = 2.0f * normal(rng);
+    logits.upload(l.data());
+    poison(y);
+    poison(ws);
+    step();
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> direct = to_host(y);
+    poison(y);
+    poison(ws);
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> replayed = to_host(y);
+    EXPECT_TRUE(std::all_of(direct.begin(), direct.end(), [](float v) { return std::isfinite(v); }));
+    EXPECT_EQ(std::memcmp(direct.data(), replayed.data(), direct.size() * sizeof(float)), 0) << "round " << round;
+  }
+  KESTREL_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KESTREL_CUDA_CHECK(cudaGraphDestroy(graph));
+  KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST(MoeExperts, RejectsBadArguments) {
   const auto* x = reinterpret_cast<const uint16_t*>(256);
   const auto* ids = reinterpret_cast<const int32_t*>(256);
@@ -401,6 +700,28 @@ TEST(MoeExperts, RejectsBadArguments) {
   mx.dtype = ExpertDtype::mxfp4;  // the MXFP4 arrays are missing
   EXPECT_THROW(moe_experts(x, 4, ids, weights, 2, mx, y, ws, need, nullptr), Error);
   EXPECT_NO_THROW(moe_experts(x, 0, ids, weights, 2, w, y, ws, 0, nullptr));  // T = 0: nothing to do
+
+  const auto* xf = reinterpret_cast<const float*>(256);
+  const auto* codes = reinterpret_cast<const uint8_t*>(256);
+  MoeExpertWeights f8{};
+  f8.dtype = ExpertDtype::fp8_block;
+  f8.n_experts = 8;
+  f8.D = 256;
+  f8.F = 128;
+  f8.fp8_w13 = codes;
+  f8.fp8_w13_scales = weights;
+  f8.fp8_w2 = codes;
+  f8.fp8_w2_scales = weights;
+  const size_t need8 = moe_workspace_bytes(4, 2, 8, 256, 128, ExpertDtype::fp8_block);
+  EXPECT_GT(need8, need);  // fp32 swiglu rows and the quantized rows besides
+  EXPECT_THROW(moe_workspace_bytes(4, 2, 8, 256, 96, ExpertDtype::fp8_block), Error);  // F not a multiple of 128
+  EXPECT_THROW(moe_experts(x, 4, ids, weights, 2, f8, y, ws, need8, nullptr), Error);    // FP8 experts need fp32 x
+  EXPECT_THROW(moe_experts(xf, 4, ids, weights, 2, w, y, ws, need, nullptr), Error);     // fp32 x needs FP8 experts
+  EXPECT_THROW(moe_experts(xf, 4, ids, weights, 2, f8, y, ws, need8 - 1, nullptr), Error);  // workspace too small
+  MoeExpertWeights no_scales = f8;
+  no_scales.fp8_w2_scales = nullptr;
+  EXPECT_THROW(moe_experts(xf, 4, ids, weights, 2, no_scales, y, ws, need8, nullptr), Error);
+  EXPECT_NO_THROW(moe_experts(xf, 0, ids, weights, 2, f8, y, ws, 0, nullptr));  // T = 0: nothing to do
 }
 
 }  // namespace

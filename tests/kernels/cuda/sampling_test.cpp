@@ -91,13 +91,21 @@ std::vector<float> reference_penalise(const float* raw, int64_t vocab, const Sam
 }
 
 // sample_token (sampler.cpp). n_top: the number of alternatives (the CPU's p_.logprobs), -1 for none.
+// mask: the row's token mask (sample_token's `allowed`), empty for none.
 Reference reference_sample(const float* raw, int64_t vocab, const SampleRowParams& p,
-                           const std::vector<SamplePenaltyToken>& penalties, double u01, int n_top) {
+                           const std::vector<SamplePenaltyToken>& penalties, double u01, int n_top,
+                           const std::vector<uint32_t>& mask = {}) {
   Reference ref;
-  std::vector<float> penalised_logits;
+  std::vector<float> penalised_logits, masked;
   const float* logits = raw;
+  if (!mask.empty()) {
+    masked.assign(raw, raw + vocab);
+    for (int64_t t = 0; t < vocab; ++t)
+      if (!(mask[t >> 5] >> (t & 31) & 1)) masked[t] = -std::numeric_limits<float>::infinity();
+    logits = masked.data();
+  }
   if (penalised(p)) {
-    penalised_logits = reference_penalise(raw, vocab, p, penalties);
+    penalised_logits = reference_penalise(logits, vocab, p, penalties);
     logits = penalised_logits.data();
   }
 
@@ -140,6 +148,8 @@ Reference reference_sample(const float* raw, int64_t vocab, const SampleRowParam
       while (i < keep && prob[i] >= floor) ++i;
       keep = i;
     }
+    if (!mask.empty())
+      while (keep > 1 && prob[keep - 1] == 0.0) --keep;
     double mass = 0.0;
     for (int64_t i = 0; i < keep; ++i) mass += prob[i];
     const double u = u01 * mass;
@@ -185,8 +195,13 @@ struct Batch {
   std::vector<int32_t> source_rows;   // empty: identity
   std::vector<SampleRowParams> params;
   std::vector<PenaltyState> states;   // [rows]
+  std::vector<std::vector<uint32_t>> masks;  // [rows] or empty; an empty row: no mask
   int max_top = 0;
 
+  const std::vector<uint32_t>& mask(int64_t r) const {
+    static const std::vector<uint32_t> none;
+    return masks.empty() ? none : masks[r];
+  }
   int64_t rows() const { return static_cast<int64_t>(params.size()); }
   const float* row(int64_t r) const { return logits.data() + (source_rows.empty() ? r : source_rows[r]) * vocab; }
 };
@@ -226,6 +241,25 @@ class GpuBatch {
     offsets_ = to_device(offsets);
     if (!entries.empty()) entries_ = to_device(entries);
     if (!b.source_rows.empty()) source_rows_ = to_device(b.source_rows);
+    // Token masks as the engine hands them: one per masked row, rows without one at mask index -1.
+    std::vector<uint32_t> words;
+    std::vector<int32_t> index;
+    const int64_t mask_words = (b.vocab + 31) / 32;
+    for (int64_t r = 0; r < b.rows(); ++r) {
+      if (b.mask(r).empty()) {
+        index.push_back(-1);
+        continue;
+      }
+      index.push_back(static_cast<int32_t>(words.size() / mask_words));
+      words.insert(words.end(), b.mask(r).begin(), b.mask(r).end());
+    }
+    if (!words.empty()) {
+      masks_ = to_device(words);
+      mask_index_ = to_device(index);
+      args_.token_masks = masks_.get();
+      args_.mask_index = mask_index_.get();
+      args_.mask_words = mask_words;
+    }
     args_.logits = logits_.get();
     args_.logit_rows = b.logit_rows;
     args_.vocab = b.vocab;
@@ -259,7 +293,8 @@ class GpuBatch {
  private:
   DeviceBuffer<float> logits_;
   DeviceBuffer<SampleRowParams> params_;
-  DeviceBuffer<int32_t> offsets_, source_rows_;
+  DeviceBuffer<int32_t> offsets_, source_rows_, mask_index_;
+  DeviceBuffer<uint32_t> masks_;
   DeviceBuffer<SamplePenaltyToken> entries_;
   DeviceBuffer<int32_t> tokens_;
   DeviceBuffer<float> token_logprobs_;
@@ -326,8 +361,14 @@ void check_batch(const Batch& b, const std::vector<double>& uniforms, const std:
     const SampleRowParams& p = b.params[r];
     const int n_top = p.logprobs >= 0 ? std::min(p.logprobs, b.max_top) : -1;
     const float* raw = b.row(r);
-    const Reference ref = reference_sample(raw, b.vocab, p, penalty_list(p, b.states[r]), uniforms[r], n_top);
+    const Reference ref =
+        reference_sample(raw, b.vocab, p, penalty_list(p, b.states[r]), uniforms[r], n_top, b.mask(r));
     check_token(ref, g.tokens[r], exact[r], tally, r);
+    if (!b.mask(r).empty()) {
+      const int32_t t = g.tokens[r];
+      ASSERT_TRUE(t >= 0 && t < b.vocab && (b.mask(r)[t >> 5] >> (t & 31) & 1))
+          << "row " << r << ": GPU token " << t << " is outside the row's mask";
+    }
     if (n_top < 0) continue;
     const int32_t t = g.tokens[r];
     ASSERT_TRUE(t >= 0 && t < b.vocab);
@@ -457,6 +498,64 @@ void run_mixed(int64_t rows, int64_t V, uint64_t seed, const char* name) {
   check_batch(b, uniforms, exact, run_gpu(b), name);
 }
 
+// Every configuration under token masks of several shapes (structured output): none, half the vocabulary, a few
+// tokens, one token, only tokens far below the row's best (the draw's tail of zero probabilities), and the mask a
+// grammar gives inside a JSON string (everything but a few ids).
+void run_masked(int64_t rows, int64_t V, uint64_t seed, const char* name) {
+  std::mt19937_64 rng(seed);
+  Batch b;
+  b.vocab = V;
+  b.logit_rows = rows;
+  b.logits = random_logits(rows, V, rng);
+  b.max_top = kMaxSampleTopLogprobs;
+  const auto configs = configurations();
+  const int64_t W = (V + 31) / 32;
+  std::uniform_int_distribution<int64_t> pick(0, V - 1);
+  std::vector<double> uniforms;
+  std::vector<bool> exact;
+  for (int64_t r = 0; r < rows; ++r) {
+    SampleRowParams p = configs[(r + seed) % configs.size()];
+    const double u = r % 7 == 5 ? 0.0 : r % 7 == 6 ? kAlmostOne : draw_uniform(rng);
+    p.uniform = u;
+    b.params.push_back(p);
+    b.states.push_back(random_state(V, rng));
+    uniforms.push_back(u);
+    exact.push_back(u == 0.0);
+    std::vector<uint32_t> m(static_cast<size_t>(W), 0);
+    auto allow = [&](int64_t t) { m[t >> 5] |= 1u << (t & 31); };
+    const float* row = b.logits.data() + r * V;
+    switch (r % 6) {
+      case 0: m.clear(); break;
+      case 1:
+        for (int64_t t = 0; t < V; ++t)
+          if (rng() & 1) allow(t);
+        allow(pick(rng));
+        break;
+      case 2:
+        for (int k = 0; k < 7; ++k) allow(pick(rng));
+        break;
+      case 3: allow(pick(rng)); break;
+      case 4: {
+        // The 20 lowest logits only: most have probability 0 next to the row's best once exp underflows.
+        std::vector<int32_t> ids(V);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::partial_sort(ids.begin(), ids.begin() + 20, ids.end(), [&](int32_t x, int32_t y) { return row[x] < row[y]; });
+        for (int k = 0; k < 20; ++k) allow(ids[k]);
+        break;
+      }
+      default:
+        for (int64_t t = 0; t < V; ++t) allow(t);
+        for (int k = 0; k < 9; ++k) {
+          const int64_t t = pick(rng);
+          m[t >> 5] &= ~(1u << (t & 31));
+        }
+        break;
+    }
+    b.masks.push_back(std::move(m));
+  }
+  check_batch(b, uniforms, exact, run_gpu(b), name);
+}
+
 bool have_gpu() { return device_count() > 0; }
 
 // ---------------------------------------------------------------- tests
@@ -472,6 +571,13 @@ TEST(SampleRows, MixedOptionsLargeVocab) {
   run_mixed(64, 163840, 11, "V=163840 rows=64");
   run_mixed(1, 163840, 12, "V=163840 rows=1");
   run_mixed(3, kMaxSampleVocab, 13, "V=262144 rows=3");
+}
+
+TEST(SampleRows, TokenMasksMatchTheCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  run_masked(64, 4096, 21, "masked V=4096 rows=64");
+  run_masked(64, 163840, 22, "masked V=163840 rows=64");
+  run_masked(5, 163840, 23, "masked V=163840 rows=5");
 }
 
 // Greedy rows whose maximum occurs many times (values from a few levels; one row with +0 and -0 maxima; one

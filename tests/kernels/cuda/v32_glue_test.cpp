@@ -1,8 +1,8 @@
 // GPU tests of deepseek_v32's pieces (src/kernels/cuda/v32_glue.h and the v32 entry of mla_glue.h): RoPE against
 // cpu::rope_interleaved / cpu::rope_neox with the tables cpu::rope_inv_freq makes (with and without YaRN, positions
-// up to past 2^24), the FP8 latent writer bit for bit against MlaAttention::write_latent's deepseek_v32 encoding
+// up to past 2^24), the FP8 latent writer bit for bit against MlaCore::write_latent's deepseek_v32 encoding
 // (quantize_fp8_ue8m0 per tile of 128, f32_to_bf16 tail), and the generic absorbed attention over such entries
-// against cpu::mla_attend_absorbed on the rows MlaAttention::read_latent decodes (dense and with index lists).
+// against cpu::mla_attend_absorbed on the rows MlaCore::read_latent decodes (dense and with index lists).
 #include "kernels/cuda/v32_glue.h"
 
 #include <gtest/gtest.h>
@@ -171,7 +171,7 @@ TEST(RopeRowsHand, TwoPairs) {
 
 // ---------------------------------------------------------------- deepseek_v32 latent entry
 
-// MlaAttention::write_latent's deepseek_v32 encoding of one row [c (C) ; k_pe (R)].
+// MlaCore::write_latent's deepseek_v32 encoding of one row [c (C) ; k_pe (R)].
 void cpu_encode_v32(const float* row, int C, int R, uint8_t* e) {
   for (int t = 0; t < C; t += 128) {
     const float s = quantize_fp8_ue8m0(row + t, 128, e + t);
@@ -183,7 +183,7 @@ void cpu_encode_v32(const float* row, int C, int R, uint8_t* e) {
   }
 }
 
-// MlaAttention::read_latent's decoding of one entry.
+// MlaCore::read_latent's decoding of one entry.
 void cpu_decode_v32(const uint8_t* e, int C, int R, float* row) {
   for (int t = 0; t < C; t += 128) {
     float s;
