@@ -6,13 +6,15 @@
 #   ds6   DeepSeek-V3.2 at real width, --hf-overrides '{"num_hidden_layers": 6}', FP8 weights (dummy): bytes on the
 #         GPU against the checkpoint's.
 #   k31   K3.1-Pro width (make-model's k3.1-pro config, 4 layers, all 896 experts, dummy) with MXFP4 experts.
+#   json  Structured output's serving cost on the GPU: Kimi-Linear-48B width, 4 layers (dummy), 64 requests at once,
+#         free text against a JSON-schema response_format (bench/gpu/structured_serve.py).
 #   disk  A ~15.8 GB safetensors checkpoint (DeepSeek-V3.2 width, 2 layers, one of them MoE, FP8) written with
 #         make-model --dummy-weights, dropped from the page cache, then loaded from disk: GB/s and peak host RSS.
-# Usage: bench/gpu/real_size_h200.sh [kl48,ds6,k31,disk] [log-dir]    (default: all, $OUT)
+# Usage: bench/gpu/real_size_h200.sh [kl48,ds6,k31,json,disk] [log-dir]    (default: all, $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-RUNS=${1:-kl48,ds6,k31,disk}
+RUNS=${1:-kl48,ds6,k31,json,disk}
 LOGS=${2:-${OUT:-$ROOT/out-gpu}}
 mkdir -p "$LOGS"
 K=$ROOT/build-h200/src/kestrel
@@ -58,6 +60,13 @@ if has k31; then
   step k31-make "$K" make-model --arch kimi_k3 --preset k3.1-pro --out "$W/k31" --tokenizer
   step k31 measured "$K" generate "$W/k31" --load-format dummy --hf-overrides '{"num_hidden_layers": 4}' --device cuda \
     --gpu-memory-utilization 0.95 --max-model-len 4096 --prompt-ids 1,2,3,4,5,6,7,8 --max-tokens 8
+fi
+if has json; then
+  [ -f "$W/kl48/config.json" ] || step kl48-make "$K" make-model --arch kimi_linear --preset kimi-linear-48b \
+    --out "$W/kl48" --tokenizer
+  step json python3 "$ROOT/bench/gpu/structured_serve.py" "$K" "$W/kl48" 8132 --batch 64 --rounds 3 --max-tokens 128 \
+    -- --load-format dummy --hf-overrides '{"num_hidden_layers": 4}' --device cuda --gpu-memory-utilization 0.9 \
+    --max-model-len 4096 --max-num-seqs 64
 fi
 if has disk; then
   rm -rf "$W/ds15"
