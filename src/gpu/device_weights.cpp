@@ -29,7 +29,8 @@ WeightUploader::WeightUploader(DeviceArena& arena, WeightBytes& bytes, std::FILE
       bytes_(bytes),
       streamer_(std::make_unique<WeightStreamer>(
           std::max(1, std::min<int>(kStreamThreads, static_cast<int>(std::thread::hardware_concurrency()))),
-          kStreamChunk, kStreamChunksPerThread)) {
+          kStreamChunk, kStreamChunksPerThread)),
+      log_(log) {
   if (log) streamer_->set_progress(terminal_progress("loading weights", log));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
@@ -43,6 +44,8 @@ void WeightUploader::raw(const StoredTensor& t, void* dst) {
   if (n == 0) return;
   if (t.dummy) {
     cuda::fill_dummy_device(*t.dummy, dst, n, stream_);
+    ++dummy_tensors_;
+    dummy_bytes_ += n;
     return;
   }
   KESTREL_CHECK(t.bytes.size() == n, "tensor '{}': {} bytes stored, {} expected", t.name, t.bytes.size(), n);
@@ -197,6 +200,11 @@ DLinear WeightUploader::linear(std::span<const StoredLinear> parts, const char* 
 void WeightUploader::finish() {
   streamer_->finish();
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (log_ && dummy_tensors_ > 0) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    std::fprintf(log_, "[kestrel] dummy weights: %lld tensors, %.2f GiB made on the device in %.2f s\n",
+                 static_cast<long long>(dummy_tensors_), static_cast<double>(dummy_bytes_) / (1u << 30), s);
+  }
 }
 
 }  // namespace kestrel::gpu

@@ -8,6 +8,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -110,6 +111,11 @@ class WeightUploader {
   WeightBytes& bytes_;
   std::unique_ptr<WeightStreamer> streamer_;
   cudaStream_t stream_ = nullptr;  // dummy fills
+  std::FILE* log_ = nullptr;
+  // --load-format dummy: the tensors made on the device (the streamer's summary counts what it read) and since when.
+  int64_t dummy_tensors_ = 0;
+  size_t dummy_bytes_ = 0;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace kestrel::gpu

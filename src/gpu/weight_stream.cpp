@@ -440,6 +440,7 @@ void WeightStreamer::finish() {
 ProgressFn terminal_progress(std::string label, std::FILE* out) {
   const bool tty = ::isatty(::fileno(out)) == 1;
   return [label = std::move(label), out, tty](const StreamProgress& p) {
+    if (p.tensors_total == 0) return;  // nothing read (e.g. --load-format dummy, which reports what it made)
     const double done = static_cast<double>(p.bytes_done) / kGiB, total = static_cast<double>(p.bytes_total) / kGiB;
     const double rate = p.seconds > 0 ? done / p.seconds : 0.0;
     if (tty) {

@@ -325,11 +325,16 @@ ModelConfig ModelConfig::from_json(const json& j) {
 
 namespace {
 
-// `base` with `over` merged in: objects key by key, anything else replaced. Keys `over` adds that `base` lacks are
-// collected (dotted) in `added`.
+// `base` with `over` merged in: objects key by key, null removes the key (as JSON merge patch, RFC 7396, and as a
+// Hugging Face config reads an attribute set to None: e.g. {"quantization_config": null} is an unquantized model),
+// anything else replaced. Keys `over` adds that `base` lacks are collected (dotted) in `added`.
 void merge_into(json& base, const json& over, const std::string& where, std::vector<std::string>& added) {
   for (auto it = over.begin(); it != over.end(); ++it) {
     const std::string name = where + it.key();
+    if (it->is_null()) {
+      base.erase(it.key());
+      continue;
+    }
     if (!base.contains(it.key())) added.push_back(name);
     if (it->is_object() && base.contains(it.key()) && base[it.key()].is_object())
       merge_into(base[it.key()], *it, name + ".", added);

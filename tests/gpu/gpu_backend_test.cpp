@@ -28,11 +28,24 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string tiny_dir(Arch arch) {
+// The tiny model of `arch` as its preset stores it (deepseek_v32's: FP8 block-scaled), or with bf16 weights.
+std::string tiny_dir(Arch arch, bool bf16 = false) {
   const std::string dir = fs::temp_directory_path() / ("kestrel_gpu_backend_test_" + std::string(arch_name(arch)) +
-                                                       "_" + std::to_string(::getpid()));
-  if (!fs::exists(dir + "/config.json")) make_model(find_preset(arch, "tiny"), dir, 17);
+                                                       (bf16 ? "_bf16_" : "_") + std::to_string(::getpid()));
+  MakeModelOptions o;
+  if (bf16) o.hf_overrides = {{"quantization_config", nullptr}};
+  if (!fs::exists(dir + "/config.json")) make_model(find_preset(arch, "tiny"), dir, 17, o);
   return dir;
+}
+
+// The positions whose logits are held to a bound: with a DSA indexer, those below its top-k (dense attention; above
+// it a score at the top-k boundary within rounding of the next moves a position by O(1), which the model tests
+// cover), and with FP8 weights none (the GPU quantizes linear inputs to e4m3, and on a random tiny model a code on
+// the other side of a rounding boundary moves the rows by more than a bf16 bound; gpu_fp8_model_test holds that
+// numerics to its own bounds). The values of an FP8 architecture are checked on its bf16 variant.
+int64_t held_positions(const ModelConfig& c, int64_t T) {
+  if (c.weight_quant == WeightQuant::fp8_block) return 0;
+  return c.has_indexer ? std::min<int64_t>(T, c.index_topk) : T;
 }
 
 class GpuBackend : public ::testing::TestWithParam<Arch> {
@@ -67,8 +80,17 @@ struct OneStep {
   size_t pool_bytes() const { return static_cast<size_t>((state_rows.size() + table.size()) * plan.row_bytes); }
 };
 
+void same_graph_and_values(const std::string& dir);
+
 TEST_P(GpuBackend, RunsTheSameGraphAsTheCpu) {
-  const std::string dir = tiny_dir(GetParam());
+  for (const bool bf16 : {false, true}) {
+    if (bf16 && GetParam() != Arch::deepseek_v32) continue;
+    SCOPED_TRACE(bf16 ? "bf16 weights" : "the preset's weights");
+    same_graph_and_values(tiny_dir(GetParam(), bf16));
+  }
+}
+
+void same_graph_and_values(const std::string& dir) {
   auto cpu_tb = std::make_unique<TraceBackend>(std::make_unique<CpuBackend>());
   auto gpu_tb = std::make_unique<TraceBackend>(std::make_unique<gpu::CudaBackend>(0.05, nullptr));
   TraceBackend* cpu_trace = cpu_tb.get();
@@ -94,19 +116,32 @@ TEST_P(GpuBackend, RunsTheSameGraphAsTheCpu) {
   gpu->forward(StepBatch{dev_pool, &step.plan, std::span(&step.seq, 1)}, b.data());
   EXPECT_EQ(cpu_trace->calls(), gpu_trace->calls()) << "the step's ops";
   EXPECT_GT(cpu_trace->calls().size(), 10u);
-  // And what they computed: the prompt's logits (the CPU here is plain fp32, so a bf16-sized bound).
-  float worst = 0;
-  for (int t = 0; t < 40; ++t) worst = std::max(worst, gpu_test::row_error(b.data() + t * V, a.data() + t * V, V));
-  EXPECT_LT(worst, 0.1f);
-  std::printf("[ %s ] %zu ops traced, the same on both backends; logits against plain fp32: %.3g of the row max\n",
-              arch_name(GetParam()), cpu_trace->calls().size(), worst);
+  // And what they computed: the prompt's logits against the CPU reference of the GPU's numerics, every held position
+  // within the few-token bound of the model tests; the plain fp32 CPU's distance printed.
+  const auto ref = gpu_test::cpu_reference_model(dir, bf16_latent());
+  std::vector<float> r(40 * V);
+  std::vector<uint8_t> ref_pool(step.pool_bytes(), 0);
+  ref->forward(StepBatch{ref_pool.data(), &step.plan, std::span(&step.seq, 1)}, r.data());
+  const int64_t held = held_positions(cpu->config(), 40);
+  float worst = 0, worst_plain = 0;
+  for (int t = 0; t < 40; ++t) {
+    const float e = gpu_test::row_error(b.data() + t * V, r.data() + t * V, V);
+    if (t < held) {
+      EXPECT_LE(e, 2e-2f) << "position " << t;
+      worst = std::max(worst, e);
+    }
+    worst_plain = std::max(worst_plain, gpu_test::row_error(b.data() + t * V, a.data() + t * V, V));
+  }
+  std::printf("[ %s ] %zu ops traced, the same on both backends; logits of %lld held positions against the CPU "
+              "reference: %.3g of the row max (every position against plain fp32: %.3g)\n",
+              dir.c_str(), cpu_trace->calls().size(), static_cast<long long>(held), worst, worst_plain);
 }
 
 // --load-format dummy makes the same weights on both backends (bit for bit by construction:
 // tests/core/dummy_weights_test, tests/kernels/cuda/dummy_weights_test), so the GPU's logits match the CPU reference
 // with the GPU's numerics as for a real checkpoint.
 TEST_P(GpuBackend, DummyWeightsAreTheCpusWeights) {
-  const std::string src = tiny_dir(GetParam());
+  const std::string src = tiny_dir(GetParam(), /*bf16=*/GetParam() == Arch::deepseek_v32);
   const std::string dir = src + "_config_only";
   fs::create_directories(dir);
   fs::copy_file(src + "/config.json", dir + "/config.json", fs::copy_options::overwrite_existing);
@@ -129,12 +164,16 @@ TEST_P(GpuBackend, DummyWeightsAreTheCpusWeights) {
   const Completion got = run.engine->run_to_completion().at(0).completions.at(0);
   const gpu_test::Reference ref = gpu_test::cpu_alone(*cpu, prompt, 4);
   const int64_t V = cpu->config().vocab_size;
+  const int64_t held = held_positions(cpu->config(), static_cast<int64_t>(prompt.size()));
+  ASSERT_GT(held, 0);
   float worst = 0;
-  for (int64_t p = 0; p < static_cast<int64_t>(prompt.size()); ++p)
-    worst = std::max(worst, gpu_test::row_error(got.logits.data() + p * V, ref.logits.data() + p * V, V));
-  EXPECT_LE(worst, GetParam() == Arch::kimi_linear ? 2e-2f : 5e-2f);
-  std::printf("[ %s dummy ] prompt logits against the CPU reference: %.3g of the row max\n", arch_name(GetParam()),
-              worst);
+  for (int64_t p = 0; p < held; ++p) {
+    const float e = gpu_test::row_error(got.logits.data() + p * V, ref.logits.data() + p * V, V);
+    EXPECT_LE(e, 2e-2f) << "position " << p;
+    worst = std::max(worst, e);
+  }
+  std::printf("[ %s dummy ] prompt logits of %lld positions against the CPU reference: %.3g of the row max\n",
+              arch_name(GetParam()), static_cast<long long>(held), worst);
 }
 
 // Weights in their stored precision: the bytes on the GPU are the checkpoint's, give or take the small tensors that

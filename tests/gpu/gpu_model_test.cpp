@@ -60,7 +60,14 @@ std::string model_dir(const Case& c) {
   if (it != made.end()) return it->second;
   const std::string dir =
       std::filesystem::temp_directory_path() / ("kestrel_gpu_test_" + key + "_" + std::to_string(::getpid()));
-  make_model(find_preset(c.arch, c.preset), dir, 11);
+  // deepseek_v32's presets store FP8 block-scaled weights; here they are bf16, so that these tests hold the
+  // architecture (MLA with YaRN, the DSA indexer, grouped routing) to the bf16 reference bound. With FP8 weights the
+  // GPU quantizes each linear layer's input to e4m3 as DeepSeek's recipe does, and on these random models one code
+  // landing on the other side of a rounding boundary moves a whole row a little more at every layer: that numerics
+  // has its own test (gpu_fp8_model_test), held to the spread of the CPU references and, one layer deep, per position.
+  MakeModelOptions mo;
+  if (c.arch == Arch::deepseek_v32) mo.hf_overrides = {{"quantization_config", nullptr}};
+  make_model(find_preset(c.arch, c.preset), dir, 11, mo);
   made[key] = dir;
   return dir;
 }
@@ -218,14 +225,19 @@ constexpr float kNearTieMargin = 2e-2f;
 constexpr double kMaxNearTieShare = 0.1;
 
 // Every position's error within `bound`, except where the two CPU references are themselves further apart, where
-// within twice their distance (a rounding-size perturbation there already flips a discrete choice), and except at a
-// routing near-tie -- the position or one of the two before it routes with a margin below kNearTieMargin (an expert
-// flip moves a position by O(1), and the next few through the state it leaves) -- where no bound holds, but such
-// positions are counted and held to kMaxNearTieShare. `first` is the position of ratios[0] in the spread.
+// within twice their distance (a rounding-size perturbation there already flips a discrete choice), and except from a
+// routing flip on: at a near-tie -- the position or one of the two before it routes with a margin below
+// kNearTieMargin -- the GPU may choose another expert, which moves that position by O(1) and, through the cache and
+// KDA state it writes, the request's later positions too, so from the first position over the bound at a near-tie on
+// the request's positions are no longer computed from the same context as the reference's and are not held to the
+// bound (they are counted and their largest error printed; the typical bounds still cover them). Before that flip
+// every position is held, so an error that starts anywhere but at a near-tie fails; the flips themselves are counted
+// and held to kMaxNearTieShare. `first` is the position of ratios[0] in the spread.
 void expect_every_row(const std::vector<float>& ratios, const Spread& spread, int64_t first, float bound,
                       const std::string& what) {
-  float worst = 0.0f, worst_held = 0.0f;
-  int excused = 0, near_ties = 0;
+  float worst = 0.0f, worst_held = 0.0f, worst_after = 0.0f;
+  int excused = 0, near_ties = 0, after = 0;
+  int64_t flipped_at = -1;
   for (size_t i = 0; i < ratios.size(); ++i) {
     const int64_t p = first + static_cast<int64_t>(i);
     const float s = spread.apart.at(p);
@@ -235,8 +247,14 @@ void expect_every_row(const std::vector<float>& ratios, const Spread& spread, in
     const float b = s > bound ? 2 * s : bound;
     if (ratios[i] > b && margin < kNearTieMargin) {
       ++near_ties;
+      if (flipped_at < 0) flipped_at = p;
       std::printf("[ %s ] position %lld: error %.3g at a routing near-tie (margin %.3g)\n", what.c_str(),
                   static_cast<long long>(p), ratios[i], margin);
+      continue;
+    }
+    if (flipped_at >= 0) {
+      ++after;
+      worst_after = std::max(worst_after, ratios[i]);
       continue;
     }
     excused += s > bound;
@@ -245,9 +263,11 @@ void expect_every_row(const std::vector<float>& ratios, const Spread& spread, in
                             << margin << ")";
   }
   EXPECT_LE(near_ties, kMaxNearTieShare * static_cast<double>(ratios.size())) << what << ": routing near-ties";
-  std::printf("[ %s ] every position (%zu): largest error / row max %.3g (bound %.3g; %d positions where the CPU "
-              "references are further apart, %d near-ties of the routing off the bound; %.3g elsewhere)\n",
-              what.c_str(), ratios.size(), worst, bound, excused, near_ties, worst_held);
+  std::printf("[ %s ] every position (%zu): largest error / row max %.3g (bound %.3g); held: %zu positions, largest "
+              "%.3g (%d where the CPU references are further apart); %d near-ties of the routing off the bound, the "
+              "first at %lld; %d positions after it, largest %.3g\n",
+              what.c_str(), ratios.size(), worst, bound, ratios.size() - near_ties - after, worst_held, excused,
+              near_ties, static_cast<long long>(flipped_at), after, worst_after);
 }
 
 // The tiny kimi_k3 and deepseek_v32 models select the top 16 positions, where a score at the boundary is often within
@@ -574,7 +594,7 @@ INSTANTIATE_TEST_SUITE_P(KimiK3, GpuEngine,
 // deepseek_v32: MLA with YaRN RoPE (query, latent k_pe, indexer query and key) on every layer, its 656-byte-layout
 // FP8 latent read over the indexer's top-k by the generic attention kernel (tiny: C = 128, R = 16) or the tensor-core
 // sparse_mla_decode (small: C = 512, R = 64), a dense first layer, then MoE with grouped routing. Top-16 of the tiny
-// model's context; top-2048 of the small one (dense below 2048).
+// model's context; top-2048 of the small one (dense below 2048). bf16 weights (model_dir).
 INSTANTIATE_TEST_SUITE_P(DeepseekV32, GpuEngine,
                          ::testing::Values(Case{Arch::deepseek_v32, "tiny"}, Case{Arch::deepseek_v32, "small"}),
                          [](const auto& info) { return std::string(info.param.preset); });

@@ -214,6 +214,12 @@ TEST(HfOverrides, MergeIntoTheConfig) {
   // A key the file lacks but Kestrel reads is taken.
   const ModelConfig len = load_model_config(dir, {{"model_max_length", 1000}});
   EXPECT_EQ(len.context_length, 1000);
+  // null removes a key, as JSON merge patch: an FP8 config without its quantization_config is a bf16 model.
+  const ModelConfig fp8 = preset_config(find_preset(Arch::deepseek_v32, "tiny"));
+  ASSERT_EQ(fp8.weight_quant, WeightQuant::fp8_block);
+  const ModelConfig plain = ModelConfig::from_json(fp8.to_json(), {{"quantization_config", nullptr}});
+  EXPECT_EQ(plain.weight_quant, WeightQuant::none);
+  EXPECT_EQ(plain.hidden_size, fp8.hidden_size);
   // The model runs with fewer layers: the checkpoint's later layers are skipped like MTP layers.
   LoadOptions lo;
   lo.hf_overrides = {{"num_hidden_layers", 2}};
