@@ -89,6 +89,35 @@ except OSError as e:
 PY
   step disk measured "$K" generate "$W/ds15" --device cuda --gpu-memory-utilization 0.95 --max-model-len 4096 \
     --prompt-ids 1,2,3,4,5,6,7,8 --max-tokens 4
+  # The disk's own ceiling, for the load's figure: the same shards read with O_DIRECT (no page cache), one reader per
+  # shard at once and then one shard after another, 16 MiB requests.
+  python3 - "$W/ds15" <<'PY' 2>&1 | tee -a "$LOGS/real-disk.log"
+import glob, mmap, os, sys, threading, time
+files = sorted(glob.glob(sys.argv[1] + "/*.safetensors"))
+def read(f, out):
+    fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 16 << 20)
+    n = 0
+    while True:
+        r = os.readv(fd, [buf])
+        n += r
+        if r < len(buf):
+            break
+    os.close(fd)
+    out.append(n)
+for mode in ("parallel", "sequential"):
+    got, t = [], time.time()
+    if mode == "parallel":
+        ts = [threading.Thread(target=read, args=(f, got)) for f in files]
+        [x.start() for x in ts]
+        [x.join() for x in ts]
+    else:
+        for f in files:
+            read(f, got)
+    dt = time.time() - t
+    print(f"raw disk read, O_DIRECT, {mode}: {sum(got) / 2**30:.2f} GiB in {dt:.2f} s = "
+          f"{sum(got) / 2**30 / dt:.2f} GiB/s ({sum(got) / 1e9 / dt:.2f} GB/s)")
+PY
 fi
 [ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
 echo "all real-size runs passed"

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
+#include "cpu/cpu_backend.h"
 #include "model/model.h"
 
 namespace kestrel::gpu_test {
@@ -14,6 +16,9 @@ namespace kestrel::gpu_test {
 struct Reference {
   std::vector<int32_t> tokens;
   std::vector<float> logits;  // [prompt + tokens - 1, vocab]
+  // Per position, the smallest MoE routing margin over the layers (cpu::moe_route_margin; +infinity without MoE or
+  // off the CPU backend): where it is small, another rounding of the router's input may choose other experts.
+  std::vector<float> route_margin;
 };
 
 // The request alone through the CPU model: the prompt in one call, then one token per call, greedy.
@@ -21,6 +26,8 @@ inline Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, i
   const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
   Reference r;
   SequenceState s = m.new_sequence();
+  const auto* cpu = dynamic_cast<const CpuBackend*>(&m.backend());
+  if (cpu) cpu->record_route_margins(&r.route_margin);
   r.logits.resize(static_cast<size_t>(P * V));
   m.forward(s, prompt.data(), P, r.logits.data());
   for (int i = 0; i < max_tokens; ++i) {
@@ -32,6 +39,8 @@ inline Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, i
     r.logits.resize(at + V);
     m.forward(s, &tok, 1, r.logits.data() + at);
   }
+  if (cpu) cpu->record_route_margins(nullptr);
+  r.route_margin.resize(static_cast<size_t>(P + max_tokens), std::numeric_limits<float>::infinity());
   return r;
 }
 

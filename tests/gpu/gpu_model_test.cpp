@@ -119,20 +119,43 @@ void report_vs_fp32(const Model& exact, const std::vector<int32_t>& prompt, cons
               ratios.empty() ? 0.0 : ratios[ratios.size() / 2], ratios.empty() ? 0.0 : ratios.back(), ratios.size());
 }
 
-// Greedy tokens may first differ only where the reference's top-2 margin is within twice the tail bound of the
-// row's largest |logit| (a near-tie that an error of the typical size can flip); a GPU token chosen against a clear
-// margin fails.
+// The routing margin below which the GPU's router (fp32 over inputs that differ from the reference's by the rounding
+// these tests measure, ~1e-2 of a row at most) may choose other experts: biased scores are sigmoids, so a logit error
+// e moves a score by e / 4 at most.
+constexpr float kNearTieMargin = 2e-2f;
+
+// The smallest routing margin of the reference at position p and the two before it (a flip at p - 1 or p - 2 reaches p
+// through the cache its layers write).
+float routing_margin_near(const std::vector<float>& margin, int64_t p) {
+  float m = std::numeric_limits<float>::infinity();
+  for (int64_t q = std::max<int64_t>(0, p - 2); q <= p && q < static_cast<int64_t>(margin.size()); ++q)
+    m = std::min(m, margin[q]);
+  return m;
+}
+
+// Greedy tokens may first differ only where the reference's top-2 margin is within twice `tie_bound` of the row's
+// largest |logit| (a near-tie that an error of the typical size can flip: tie_bound is the case's typical
+// 90th-percentile bound), or where the deciding position routes at a near-tie (an expert chosen otherwise moves its
+// row by O(1)); a GPU token chosen against a clear margin fails.
 void expect_greedy_near_tie(const Reference& ref, int64_t P, int64_t V, const std::vector<int32_t>& got, int64_t same,
-                            const std::string& what) {
+                            const std::string& what, float tie_bound = kTailBound) {
   if (same >= static_cast<int64_t>(ref.tokens.size())) return;
-  const float* row = ref.logits.data() + (P - 1 + same) * V;
+  const int64_t p = P - 1 + same;
+  const float* row = ref.logits.data() + p * V;
   std::vector<float> top(row, row + V);
   std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
   float scale = 0.0f;
   for (int64_t v = 0; v < V; ++v) scale = std::max(scale, std::fabs(row[v]));
-  EXPECT_LE(top[0] - top[1], 2 * kTailBound * scale)
+  const float routing = routing_margin_near(ref.route_margin, p);
+  if (routing < kNearTieMargin) {
+    std::printf("[ %s ] greedy token %lld differs at a routing near-tie (margin %.3g)\n", what.c_str(),
+                static_cast<long long>(same), routing);
+    return;
+  }
+  EXPECT_LE(top[0] - top[1], 2 * tie_bound * scale)
       << what << ": greedy token " << same << " differs (" << (same < static_cast<int64_t>(got.size()) ? got[same] : -1)
-      << " vs " << ref.tokens[same] << ") although the reference's margin is " << top[0] - top[1];
+      << " vs " << ref.tokens[same] << ") although the reference's margin is " << top[0] - top[1]
+      << " and its routing margin " << routing;
 }
 
 // Compares one GPU completion with the CPU reference: checks the greedy tokens and returns, for every position both
@@ -146,7 +169,7 @@ void expect_greedy_near_tie(const Reference& ref, int64_t P, int64_t V, const st
 // the KDA state carries the difference on. So the long tests assert the typical position (median and 90th
 // percentile over all positions of all requests) and print the worst; a wrong kernel moves every position.
 std::vector<float> compare(const Model& m, const std::vector<int32_t>& prompt, const Completion& got, int max_tokens,
-                           const std::string& what, Reference* reference = nullptr) {
+                           const std::string& what, Reference* reference = nullptr, float tie_bound = kTailBound) {
   const int64_t V = m.config().vocab_size, P = static_cast<int64_t>(prompt.size());
   Reference own;
   Reference& ref = reference ? *reference : own;
@@ -168,7 +191,7 @@ std::vector<float> compare(const Model& m, const std::vector<int32_t>& prompt, c
               what.c_str(), sorted.size(), sorted.empty() ? 0.0f : sorted[sorted.size() / 2],
               sorted.empty() ? 0.0f : sorted[sorted.size() * 9 / 10], sorted.empty() ? 0.0f : sorted.back(),
               static_cast<long long>(same), ref.tokens.size());
-  expect_greedy_near_tie(ref, P, V, got.token_ids, same, what);
+  expect_greedy_near_tie(ref, P, V, got.token_ids, same, what, tie_bound);
   return ratios;
 }
 
@@ -184,13 +207,24 @@ struct Typical {
 //
 // The small deepseek_v32 model is about twice as sensitive to rounding as the small Kimi models: the bf16-activation
 // and the plain fp32 CPU references differ by 1.4-2.3% of the row's largest |logit| at every position of a short
-// prompt (0.7-1.0% for small kimi_k3; measured with both CPU references, no GPU involved), so its bounds are 1.5x.
+// prompt (0.7-1.0% for small kimi_k3; measured with both CPU references, no GPU involved), and after three layers
+// more than 2% at every position (EveryPrefixOfTheLayersMatchesCpu prints it), where the GPU is 1.5% from the
+// bf16-activation reference (small Kimi models: 0.5-0.9% after four). Its long tests' medians on an H200 with bf16
+// weights: 1.3-1.9%. So its median bound is 2.5%, the references' own distance with a margin, and its 90th
+// percentile 1.5x the Kimi models'; a wrong kernel or page moves positions by O(1e-1) and more.
 Typical typical_bounds(const Case& c) {
   if ((c.arch == Arch::kimi_k3 || c.arch == Arch::deepseek_v32) && std::string(c.preset) == "tiny")
     return {5e-2f, 0.25f};
-  if (c.arch == Arch::deepseek_v32) return {1.5e-2f, 7.5e-2f};
+  if (c.arch == Arch::deepseek_v32) return {2.5e-2f, 7.5e-2f};
   return {1e-2f, 5e-2f};
 }
+
+bool every_row_holds(const Case& c);
+
+// The top-2 margin within which a greedy token may differ (expect_greedy_near_tie): the case's typical 90th
+// percentile bound where the indexer's top-16 selection of the tiny DSA models flips (every_row_holds is false),
+// kTailBound otherwise.
+float tie_bound(const Case& c) { return every_row_holds(c) ? kTailBound : typical_bounds(c).p90; }
 
 // Per position p of `ids`, how far apart the two CPU references are (the bf16-activation model `m` and the plain
 // fp32 model `exact`, both over ids): row_error of one against the other. A position where this is large is one
@@ -217,13 +251,6 @@ Spread reference_spread(const Model& m, const Model& exact, const std::vector<in
   return out;
 }
 
-// The routing margin below which the GPU's router (fp32 over inputs that differ from the reference's by the rounding
-// these tests measure, ~1e-2 of a row at most) may choose other experts: biased scores are sigmoids, so a logit error
-// e moves a score by e / 4 at most.
-constexpr float kNearTieMargin = 2e-2f;
-// At most this share of a request's positions may be excused as near-ties: a wrong kernel moves every position.
-constexpr double kMaxNearTieShare = 0.1;
-
 // Every position's error within `bound`, except where the two CPU references are themselves further apart, where
 // within twice their distance (a rounding-size perturbation there already flips a discrete choice), and except from a
 // routing flip on: at a near-tie -- the position or one of the two before it routes with a margin below
@@ -231,8 +258,8 @@ constexpr double kMaxNearTieShare = 0.1;
 // KDA state it writes, the request's later positions too, so from the first position over the bound at a near-tie on
 // the request's positions are no longer computed from the same context as the reference's and are not held to the
 // bound (they are counted and their largest error printed; the typical bounds still cover them). Before that flip
-// every position is held, so an error that starts anywhere but at a near-tie fails; the flips themselves are counted
-// and held to kMaxNearTieShare. `first` is the position of ratios[0] in the spread.
+// every position is held, so an error that starts anywhere but at a near-tie fails. Later near-ties are not counted
+// as flips of their own: their inputs already differ. `first` is the position of ratios[0] in the spread.
 void expect_every_row(const std::vector<float>& ratios, const Spread& spread, int64_t first, float bound,
                       const std::string& what) {
   float worst = 0.0f, worst_held = 0.0f, worst_after = 0.0f;
@@ -245,9 +272,9 @@ void expect_every_row(const std::vector<float>& ratios, const Spread& spread, in
     for (int64_t q = std::max<int64_t>(0, p - 2); q <= p; ++q) margin = std::min(margin, spread.margin.at(q));
     worst = std::max(worst, ratios[i]);
     const float b = s > bound ? 2 * s : bound;
-    if (ratios[i] > b && margin < kNearTieMargin) {
+    if (flipped_at < 0 && ratios[i] > b && margin < kNearTieMargin) {
       ++near_ties;
-      if (flipped_at < 0) flipped_at = p;
+      flipped_at = p;
       std::printf("[ %s ] position %lld: error %.3g at a routing near-tie (margin %.3g)\n", what.c_str(),
                   static_cast<long long>(p), ratios[i], margin);
       continue;
@@ -262,10 +289,9 @@ void expect_every_row(const std::vector<float>& ratios, const Spread& spread, in
     EXPECT_LE(ratios[i], b) << what << ", position " << p << " (references " << s << " apart, routing margin "
                             << margin << ")";
   }
-  EXPECT_LE(near_ties, kMaxNearTieShare * static_cast<double>(ratios.size())) << what << ": routing near-ties";
   std::printf("[ %s ] every position (%zu): largest error / row max %.3g (bound %.3g); held: %zu positions, largest "
-              "%.3g (%d where the CPU references are further apart); %d near-ties of the routing off the bound, the "
-              "first at %lld; %d positions after it, largest %.3g\n",
+              "%.3g (%d where the CPU references are further apart); %d routing flip off the bound, at %lld; %d "
+              "positions after it, largest %.3g\n",
               what.c_str(), ratios.size(), worst, bound, ratios.size() - near_ties - after, worst_held, excused,
               near_ties, static_cast<long long>(flipped_at), after, worst_after);
 }
@@ -335,7 +361,7 @@ void run_and_compare(const Case& c, const ModelOptions& o, const Model& m, const
   for (size_t i = 0; i < done.size(); ++i) {
     const std::string name = what + " request " + std::to_string(i);
     const Completion& got = done[i].completions.at(0);
-    const std::vector<float> r = compare(m, prompts[i], got, max_tokens, name);
+    const std::vector<float> r = compare(m, prompts[i], got, max_tokens, name, nullptr, tie_bound(c));
     all.insert(all.end(), r.begin(), r.end());
     if (every_row_holds(c)) {
       std::vector<int32_t> ids = prompts[i];
@@ -420,8 +446,8 @@ TEST_P(GpuEngine, TokensWithoutKeptLogitsMatchCpu) {
     int64_t same = 0;
     while (same < static_cast<int64_t>(std::min(got.size(), ref.tokens.size())) && got[same] == ref.tokens[same]) ++same;
     agree += same;
-    expect_greedy_near_tie(ref, static_cast<int64_t>(prompts[i].size()), V, got,  same,
-                           std::string(GetParam().preset) + " request " + std::to_string(i));
+    expect_greedy_near_tie(ref, static_cast<int64_t>(prompts[i].size()), V, got, same,
+                           std::string(GetParam().preset) + " request " + std::to_string(i), tie_bound(GetParam()));
   }
   std::printf("[ %s ] without kept logits: %lld/%zu greedy tokens agree\n", GetParam().preset,
               static_cast<long long>(agree), 8 * prompts.size());
@@ -522,8 +548,9 @@ TEST_P(GpuEngine, PrefixCacheResumeMatchesCpu) {
   const RequestOutput b = e.run_to_completion().at(0);
   EXPECT_GT(b.completions.at(0).logits_first, 0) << "the second request should start from cached blocks";
   EXPECT_GT(e.stats().prefix.hit_tokens, 0);
-  std::vector<float> all = compare(m, first, a.completions.at(0), 4, "first");
-  const std::vector<float> resumed = compare(m, second, b.completions.at(0), 4, "resumed");
+  std::vector<float> all = compare(m, first, a.completions.at(0), 4, "first", nullptr, tie_bound(GetParam()));
+  const std::vector<float> resumed =
+      compare(m, second, b.completions.at(0), 4, "resumed", nullptr, tie_bound(GetParam()));
   all.insert(all.end(), resumed.begin(), resumed.end());
   expect_typical(all, typical_bounds(GetParam()), std::string(GetParam().preset) + " prefix resume");
 }
