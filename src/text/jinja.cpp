@@ -25,6 +25,10 @@ constexpr int kMaxTemplateNesting = 128;
 // 4 MB; recursive macros in chat templates follow a tool schema's nesting, a few levels.
 constexpr int kMaxMacroRecursion = 64;
 
+// The most items a list built by `+` or `*` may hold (a doubling loop of `l + l` would otherwise reach gigabytes
+// within the step budget).
+constexpr size_t kMaxListItems = 1'000'000;
+
 // ---------------------------------------------------------------------------------------------------------------
 // Lexer
 
@@ -596,7 +600,7 @@ int64_t floor_div(int64_t a, int64_t b) {
 Value repeat(Ctx& c, const Value& seq, int64_t n) {
   const size_t unit = seq.is_string() ? seq.str().size() : seq.items().size();
   if (n <= 0 || unit == 0) return seq.is_string() ? Value(std::string()) : Value::list(std::vector<Value>{});
-  const uint64_t limit = seq.is_string() ? c.limits.max_string_bytes : 10'000'000;
+  const uint64_t limit = seq.is_string() ? c.limits.max_string_bytes : kMaxListItems;
   if (static_cast<uint64_t>(n) > limit / unit)
     fail("template render: repetition of {} {} {} times is over the limit of {}", unit,
          seq.is_string() ? "bytes" : "items", n, limit);
@@ -634,7 +638,9 @@ Value binary(Ctx& c, const std::string& op, const Value& a, const Value& b) {
       return Value(a.str() + b.str());
     }
     if (a.is_list() && b.is_list()) {
-      c.tick(1 + static_cast<int64_t>((a.items().size() + b.items().size()) >> 4));
+      const size_t items = a.items().size() + b.items().size();
+      if (items > kMaxListItems) fail("template render built a list of {} items (the limit is {})", items, kMaxListItems);
+      c.tick(1 + static_cast<int64_t>(items >> 4));
       std::vector<Value> v = a.items();
       v.insert(v.end(), b.items().begin(), b.items().end());
       return Value::list(std::move(v), a.is_tuple());
@@ -768,9 +774,10 @@ struct IfNode : Node {
   std::vector<std::pair<ExprPtr, Body>> branches;
   Body else_body;
   Flow exec(Ctx& c, std::string& out) const override {
-    for (const auto& [cond, body] : branches) {
-      const bool t = at_line(cond->line, [&] { return cond->eval(c).truthy(); });
-      if (t) return exec_body(body, c, out);
+    for (const auto& branch : branches) {  // no structured binding: clang 14 (the fuzz build) cannot capture one
+      const Expr& cond = *branch.first;
+      const bool t = at_line(cond.line, [&] { return cond.eval(c).truthy(); });
+      if (t) return exec_body(branch.second, c, out);
     }
     return exec_body(else_body, c, out);
   }
@@ -959,7 +966,10 @@ struct WithNode : Node {
   Flow exec(Ctx& c, std::string& out) const override {
     Frame frame;
     frame.parent = c.frame;
-    for (const auto& [k, e] : assigns) frame.vars[k] = at_line(line, [&] { return e->eval(c); });
+    for (const auto& assign : assigns) {
+      const Expr& e = *assign.second;
+      frame.vars[assign.first] = at_line(line, [&] { return e.eval(c); });
+    }
     Frame* saved = c.frame;
     c.frame = &frame;
     Flow f = Flow::normal;

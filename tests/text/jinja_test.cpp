@@ -190,6 +190,12 @@ TEST(JinjaBudget, IntermediateStringsAreCapped) {
   EXPECT_NE(limited_error("{{ ('a' * 2000) | replace('', 'b' * 1000) }}", l).find("more than 1048576 bytes"),
             std::string::npos);
   EXPECT_NE(limited_error("{{ 'x' | indent(100000000000) }}", l).find("more than 1048576 bytes"), std::string::npos);
+  // Lists too: a doubling loop of `l + l` stops at a million items.
+  EXPECT_NE(limited_error("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}"
+                          "{% endfor %}",
+                          {})
+                .find("built a list of 1048576 items (the limit is 1000000)"),
+            std::string::npos);
 }
 
 TEST(JinjaBudget, OutputIsCapped) {
