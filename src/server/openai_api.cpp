@@ -9,6 +9,7 @@
 #include "server/api_error.h"
 #include "server/completion_text.h"
 #include "server/prompt_logprobs.h"
+#include "server/responses_api.h"
 
 namespace kestrel::server {
 namespace {
@@ -74,6 +75,8 @@ struct OpenAIApi::Job {
   std::vector<std::string> echo;  // prompt texts to prepend (completions with echo)
   CompletionTextOptions text;
   std::shared_ptr<const grammar::OutputConstraint> constraint;  // structured output
+  bool responses = false;  // /v1/responses: a chat request answered as a Responses object or event stream
+  Json responses_echoed;   // the request fields the response object repeats
 };
 
 OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const text::ChatTemplate* chat_template,
@@ -159,11 +162,12 @@ awaitable<void> OpenAIApi::route(HttpExchange& ex) {
     if (std::string_view(auth.data(), auth.size()) != "Bearer " + opts_.api_key)
       throw ApiError(401, "Unauthorized: a missing or wrong API key");
   }
-  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+  if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/responses") {
     if (ex.request().method() != http::verb::post)
       throw ApiError(405, fmt::format("{} is not allowed on {}", std::string(ex.request().method_string()), path));
     if (path == "/v1/completions") co_await completions(ex);
-    else co_await chat(ex);
+    else if (path == "/v1/chat/completions") co_await chat(ex);
+    else co_await responses(ex);
     co_return;
   }
   if (RlApi::handles(path)) {
@@ -347,8 +351,26 @@ awaitable<void> OpenAIApi::chat(HttpExchange& ex) {
   co_await generate(ex, job);
 }
 
+awaitable<void> OpenAIApi::responses(HttpExchange& ex) {
+  Job job;
+  auto prepare = [&](const std::atomic<bool>& cancel) {
+    const ResponsesRequest rr = translate_responses_request(parse_body(ex.request().body()));
+    Json chat = rr.chat;
+    prepare_chat_json(chat, job, cancel);
+    job.responses = true;
+    job.id = "resp_" + job.id.substr(9);
+    job.responses_echoed = rr.echoed;
+  };
+  if (!co_await off_thread(ex, prepare)) co_return;
+  co_await generate(ex, job);
+}
+
 void OpenAIApi::prepare_chat(const std::string& body, Job& job, const std::atomic<bool>& cancel) {
   Json j = parse_body(body);
+  prepare_chat_json(j, job, cancel);
+}
+
+void OpenAIApi::prepare_chat_json(Json& j, Job& job, const std::atomic<bool>& cancel) {
   apply_defaults(j);
   const ChatRequest r = parse_chat_request(j);
   check_model(r.gen.model);
@@ -544,7 +566,16 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
   };
 
   bool gone = false;
-  if (gen.stream) {
+  std::optional<ResponsesStream> rs;
+  if (job.responses) rs.emplace(job.id, created, opts_.served_model_name, job.responses_echoed);
+  auto send_all = [&](std::vector<std::string> events) -> awaitable<void> {
+    for (const std::string& e : events)
+      if (!gone) gone = !co_await ex.send_event(e);
+  };
+  if (gen.stream && rs) {
+    gone = !co_await ex.begin_events();
+    co_await send_all(rs->begin());
+  } else if (gen.stream) {
     gone = !co_await ex.begin_events();
     for (Choice& c : choices) {
       if (gone) break;
@@ -568,6 +599,10 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     c.finish_reason = reason;
     c.stop_reason = std::move(stop_reason);
     if (!gen.stream || gone) co_return;
+    if (rs) {
+      co_await send_all(rs->delta(last));
+      co_return;
+    }
     if (!last.empty() || !logprobs.is_null()) gone = !co_await ex.send_event(chunk(stream_choice(c, last, std::move(logprobs))));
     Json fin = {{"index", c.index}};
     if (job.chat) fin["delta"] = Json::object();
@@ -606,7 +641,8 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
           continue;
         }
         c.total.merge(d);
-        if (gen.stream && !gone && (!d.empty() || !lp.is_null()))
+        if (gen.stream && !gone && rs) co_await send_all(rs->delta(d));
+        else if (gen.stream && !gone && (!d.empty() || !lp.is_null()))
           gone = !co_await ex.send_event(chunk(stream_choice(c, d, std::move(lp))));
       }
       if (ev.error) failure = ApiError(ev.error_status == 400 ? 400 : 503, *ev.error);
@@ -669,6 +705,25 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     co_return;
   }
 
+  auto response_end = [&] {
+    ResponseEnd e;
+    e.input_tokens = prompt_tokens;
+    for (const auto& r : reqs) e.cached_tokens += r->cached_tokens();
+    for (const Choice& c : choices) e.output_tokens += c.tokens;
+    e.finish_reason = choices[0].finish_reason.value_or("abort");
+    return e;
+  };
+  if (rs && gen.stream) {
+    co_await send_all(rs->finish(response_end()));
+    if (!gone) co_await ex.end_events();
+    co_return;
+  }
+  if (rs) {
+    const ResponseEnd end = response_end();
+    co_await ex.reply(200, dump(response_object(job.id, created, opts_.served_model_name, job.responses_echoed,
+                                                response_items(job.id, choices[0].total), &end)));
+    co_return;
+  }
   if (gen.stream) {
     if (gen.include_usage) {
       Json u = {{"id", job.id}, {"object", object}, {"created", created}, {"model", opts_.served_model_name},

@@ -74,6 +74,8 @@ class OpenAIApi {
   awaitable<void> chat(HttpExchange& ex);
   void prepare_completions(const std::string& body, Job& job, const std::atomic<bool>& cancel);
   void prepare_chat(const std::string& body, Job& job, const std::atomic<bool>& cancel);
+  void prepare_chat_json(Json& body, Job& job, const std::atomic<bool>& cancel);
+  awaitable<void> responses(HttpExchange& ex);
   awaitable<void> generate(HttpExchange& ex, Job& job);
   void check_model(const std::string& model) const;
   void apply_defaults(Json& body) const;
