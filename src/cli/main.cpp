@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   try {
     CLI::App app{"Kestrel: inference and serving for hybrid sparse-attention MoE models"};
     app.require_subcommand(1);
+    app.set_version_flag("--version", "kestrel 0.1.0");
     const std::vector<kestrel::cli::Runner> runners = {kestrel::cli::add_make_model(app),
                                                        kestrel::cli::add_generate(app),
                                                        kestrel::cli::add_tokenize(app),

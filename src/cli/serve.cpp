@@ -1,6 +1,9 @@
 // kestrel serve: the OpenAI-compatible server, with vLLM's flag names (docs/serving.md). Flags that need hardware
 // or features this build does not have are refused with a message that says which and why.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,8 +19,36 @@
 namespace kestrel::cli {
 namespace {
 
+// vLLM's human-readable integers (--max-model-len 32k): k/m/g/t are powers of 1000, K/M/G/T of 1024, a decimal
+// before them is allowed when the result is whole ("25.6k" = 25600); -1 and plain integers as they are.
+int64_t human_int(const std::string& flag, const std::string& text) {
+  static const std::string units = "kmgtKMGT";
+  std::string digits = text;
+  double scale = 1;
+  if (!digits.empty() && units.find(digits.back()) != std::string::npos) {
+    const size_t u = units.find(digits.back());
+    scale = std::pow(u < 4 ? 1000.0 : 1024.0, static_cast<double>(u % 4 + 1));
+    digits.pop_back();
+  }
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(digits, &used);
+  } catch (const std::exception&) {
+    used = std::string::npos;
+  }
+  const double x = v * scale;
+  if (digits.empty() || used != digits.size() || !std::isfinite(x) || x != std::floor(x) || x < -1 || x > 9e15)
+    fail("{} '{}' is not an integer (suffixes: k, m, g = 1000^n; K, M, G = 1024^n)", flag, text);
+  return static_cast<int64_t>(x);
+}
+
 struct ServeArgs {
   server::ServeOptions opts;
+  std::string model_flag, max_model_len = "0", dtype = "auto", generation_config = "auto", uvicorn_log_level = "info";
+  std::vector<std::string> served_model_names;
+  int data_parallel_size = 1;
+  bool enable_expert_parallel = false, enable_lora = false, enforce_eager = false, disable_log_requests = false;
   int tensor_parallel_size = 1, decode_context_parallel_size = 1;
   double gpu_memory_utilization = 0;
   int64_t kv_cache_memory_bytes = int64_t{256} << 20;
@@ -31,7 +62,50 @@ struct ServeArgs {
 int run_serve(ServeArgs& a) {
   server::ServeOptions& o = a.opts;
   std::vector<std::string> refused;
+  if (!a.model_flag.empty()) {
+    if (!o.model_dir.empty() && o.model_dir != a.model_flag)
+      fail("the model is given twice: '{}' and --model '{}'", o.model_dir, a.model_flag);
+    o.model_dir = a.model_flag;
+  }
+  if (o.model_dir.empty()) fail("serve needs the model: kestrel serve MODEL_DIR (or --model MODEL_DIR)");
+  o.engine.max_model_len = human_int("--max-model-len", a.max_model_len);
+  if (o.engine.max_model_len == -1) o.engine.max_model_len = 0;  // vLLM's -1: the model's own
+  if (o.engine.max_model_len < 0) fail("--max-model-len must be positive, or -1 for the model's");
+  if (!a.served_model_names.empty()) {
+    o.served_model_name = a.served_model_names[0];
+    o.model_aliases.assign(a.served_model_names.begin() + 1, a.served_model_names.end());
+  }
   const std::string device = resolve_device(a.device);
+  if (a.data_parallel_size < 1) fail("--data-parallel-size must be >= 1");
+  if (a.data_parallel_size > 1)
+    refused.push_back(fmt::format("--data-parallel-size {}: data parallelism (one engine per rank behind one API "
+                                  "server) is not built; run one kestrel serve per GPU behind a load balancer",
+                                  a.data_parallel_size));
+  if (a.enable_expert_parallel)
+    refused.push_back("--enable-expert-parallel: expert parallelism needs NCCL multi-GPU execution, which is not "
+                      "built yet (experts run on one device)");
+  if (a.enable_lora)
+    refused.push_back("--enable-lora: LoRA adapters are not built yet (the engine serves the base weights only)");
+  if (a.dtype != "auto" && a.dtype != "bfloat16" && a.dtype != "float32" && a.dtype != "float")
+    refused.push_back(fmt::format("--dtype {}: weights are kept in their stored precision (bf16, FP8, MXFP4) and "
+                                  "computed in bf16 on the GPU, fp32 on the CPU; only auto, bfloat16 and float32 are "
+                                  "accepted",
+                                  a.dtype));
+  else if (a.dtype != "auto")
+    std::fprintf(stderr, "[kestrel] --dtype %s: weights stay in their stored precision; the %s computes in %s\n",
+                 a.dtype.c_str(), device == "cuda" ? "GPU" : "CPU", device == "cuda" ? "bf16" : "fp32");
+  static const std::vector<std::string> levels = {"critical", "error", "warning", "info", "debug", "trace"};
+  if (std::find(levels.begin(), levels.end(), a.uvicorn_log_level) == levels.end())
+    fail("--uvicorn-log-level '{}' is not one of critical, error, warning, info, debug, trace", a.uvicorn_log_level);
+  if (a.generation_config != "auto" && a.generation_config != "vllm") {
+    if (!std::filesystem::is_directory(a.generation_config))
+      fail("--generation-config '{}' is not auto, vllm or a directory", a.generation_config);
+    o.generation_config_dir = a.generation_config;
+  } else if (a.generation_config == "auto") {
+    o.generation_config_dir = o.model_dir;
+  }
+  if (o.max_logprobs < 0 || o.max_logprobs > 20)
+    fail("--max-logprobs must be in 0..20 (the sampler returns at most 20 alternatives), got {}", o.max_logprobs);
   if (a.tensor_parallel_size < 1) fail("--tensor-parallel-size must be >= 1");
   if (a.tensor_parallel_size > 1)
     refused.push_back(fmt::format("--tensor-parallel-size {}: tensor parallelism needs {} GPUs and the CUDA backend; "
@@ -84,15 +158,35 @@ Runner add_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   server::ServeOptions& o = a->opts;
   EngineConfig& e = o.engine;
-  cmd->add_option("model_dir", o.model_dir, "checkpoint directory")->required();
+  cmd->add_option("model_dir", o.model_dir, "checkpoint directory");
+  cmd->add_option("--model", a->model_flag, "checkpoint directory (instead of MODEL_DIR)");
   cmd->add_option("--host", o.host, "address to listen on")->capture_default_str();
   cmd->add_option("--port", o.port, "port (0: any free port)")->capture_default_str();
   cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' on /v1 routes");
-  cmd->add_option("--served-model-name", o.served_model_name, "model name in the API (default: MODEL_DIR)");
+  cmd->add_option("--served-model-name", a->served_model_names,
+                  "model name(s) in the API: the first is reported, every one is accepted (default: MODEL_DIR)")
+      ->expected(1, 64);
   cmd->add_option("--tensor-parallel-size", a->tensor_parallel_size, "GPUs sharing each layer");
   cmd->add_option("--decode-context-parallel-size", a->decode_context_parallel_size,
                   "ranks sharding the context of decode attention");
-  cmd->add_option("--max-model-len", e.max_model_len, "longest sequence (default: the model's, capped by the cache)");
+  cmd->add_option("--max-model-len", a->max_model_len,
+                  "longest sequence, e.g. 32768, 32k, 32K (default: the model's, capped by the cache)");
+  cmd->add_option("--dtype", a->dtype, "auto | bfloat16 | float32 (weights stay in their stored precision)")
+      ->capture_default_str();
+  cmd->add_flag("--enforce-eager", a->enforce_eager, "accepted (the CPU has no graphs; the GPU's decode graphs stay)");
+  cmd->add_option("--generation-config", a->generation_config,
+                  "auto (the checkpoint's generation_config.json gives default sampling), vllm (none), or a directory")
+      ->capture_default_str();
+  cmd->add_flag("--disable-log-requests", a->disable_log_requests, "accepted (requests are not logged)");
+  cmd->add_option("--uvicorn-log-level", a->uvicorn_log_level, "accepted: critical | error | warning | info | debug | trace")
+      ->capture_default_str();
+  cmd->add_option("--max-logprobs", o.max_logprobs, "most logprobs / top_logprobs / prompt_logprobs a request may ask")
+      ->capture_default_str();
+  cmd->add_option("--allowed-origins", o.allowed_origins, "CORS: a JSON list of origins, e.g. '[\"*\"]'")
+      ->capture_default_str();
+  cmd->add_option("--data-parallel-size", a->data_parallel_size, "refused above 1 (not built)");
+  cmd->add_flag("--enable-expert-parallel", a->enable_expert_parallel, "refused (not built)");
+  cmd->add_flag("--enable-lora", a->enable_lora, "refused (LoRA is not built)");
   cmd->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
       ->capture_default_str();
@@ -126,6 +220,16 @@ Runner add_serve(CLI::App& app) {
   cmd->add_option("--max-connections", o.max_connections, "open connections beyond which new ones get 503")
       ->capture_default_str();
   cmd->add_option("--shutdown-timeout", o.shutdown_timeout, "seconds running requests get after SIGTERM")
+      ->capture_default_str();
+  cmd->add_option("--timeout-keep-alive", o.keep_alive_timeout, "seconds an idle keep-alive connection stays open")
+      ->capture_default_str();
+  cmd->add_option("--http-header-timeout", o.header_timeout, "seconds a request's header may take to arrive")
+      ->capture_default_str();
+  cmd->add_option("--http-body-min-rate", o.body_min_rate, "bytes/s a request body must average")
+      ->capture_default_str();
+  cmd->add_option("--text-threads", o.text_threads, "threads rendering chat templates and tokenising")
+      ->capture_default_str();
+  cmd->add_option("--max-text-queue", o.max_text_queue, "requests waiting for text work beyond which new ones get 429")
       ->capture_default_str();
   return [cmd, a, seed]() {
     if (!cmd->parsed()) return -1;

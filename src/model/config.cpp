@@ -105,9 +105,19 @@ class Fields {
   std::string where_;
 };
 
-int to_int(int64_t v, const std::string& field) {
-  if (v > (1 << 30)) fail("config.json: field '{}' is too large ({})", field, v);
-  return static_cast<int>(v);
+// Bounds far above any published model's and far below what would exhaust memory: per-layer and per-head tables are
+// allocated from these counts before any weight is read, so a config with num_hidden_layers 1e9 is refused here
+// instead of after gigabytes of allocation.
+constexpr int64_t kMaxLayers = 1024, kMaxHeads = 4096, kMaxHeadDim = 1 << 16, kMaxExperts = 1 << 16;
+constexpr int64_t kMaxVocab = 1 << 24, kMaxHidden = 1 << 18, kMaxIntermediate = 1 << 20, kMaxConvKernel = 64;
+
+int64_t at_most(int64_t v, const std::string& field, int64_t limit) {
+  if (v > limit) fail("config.json: field '{}' is too large ({}; at most {})", field, v, limit);
+  return v;
+}
+
+int to_int(int64_t v, const std::string& field, int64_t limit = int64_t{1} << 30) {
+  return static_cast<int>(at_most(v, field, limit));
 }
 
 void require_string(const Fields& f, const char* k, const char* expected) {
@@ -116,19 +126,19 @@ void require_string(const Fields& f, const char* k, const char* expected) {
 }
 
 void parse_mla(const Fields& f, ModelConfig& c) {
-  c.num_attention_heads = to_int(f.positive("num_attention_heads"), "num_attention_heads");
-  c.q_lora_rank = f.has("q_lora_rank") ? f.positive("q_lora_rank") : 0;
-  c.kv_lora_rank = to_int(f.positive("kv_lora_rank"), "kv_lora_rank");
-  c.qk_nope_head_dim = to_int(f.positive("qk_nope_head_dim"), "qk_nope_head_dim");
-  c.qk_rope_head_dim = to_int(f.positive("qk_rope_head_dim"), "qk_rope_head_dim");
-  c.v_head_dim = to_int(f.positive("v_head_dim"), "v_head_dim");
+  c.num_attention_heads = to_int(f.positive("num_attention_heads"), "num_attention_heads", kMaxHeads);
+  c.q_lora_rank = f.has("q_lora_rank") ? at_most(f.positive("q_lora_rank"), "q_lora_rank", kMaxHeadDim) : 0;
+  c.kv_lora_rank = to_int(f.positive("kv_lora_rank"), "kv_lora_rank", kMaxHeadDim);
+  c.qk_nope_head_dim = to_int(f.positive("qk_nope_head_dim"), "qk_nope_head_dim", kMaxHeadDim);
+  c.qk_rope_head_dim = to_int(f.positive("qk_rope_head_dim"), "qk_rope_head_dim", kMaxHeadDim);
+  c.v_head_dim = to_int(f.positive("v_head_dim"), "v_head_dim", kMaxHeadDim);
   if (c.qk_rope_head_dim % 2) fail("config.json: field 'qk_rope_head_dim' must be even, got {}", c.qk_rope_head_dim);
 }
 
 void parse_indexer(const Fields& f, ModelConfig& c) {
   c.has_indexer = true;
-  c.index_n_heads = to_int(f.positive("index_n_heads"), "index_n_heads");
-  c.index_head_dim = to_int(f.positive("index_head_dim"), "index_head_dim");
+  c.index_n_heads = to_int(f.positive("index_n_heads"), "index_n_heads", kMaxHeads);
+  c.index_head_dim = to_int(f.positive("index_head_dim"), "index_head_dim", kMaxHeadDim);
   c.index_topk = to_int(f.positive("index_topk"), "index_topk");
   if (c.index_head_dim & (c.index_head_dim - 1))
     fail("config.json: field 'index_head_dim' must be a power of two (Hadamard transform), got {}", c.index_head_dim);
@@ -140,9 +150,9 @@ void parse_kimi_layers(const Fields& f, ModelConfig& c) {
   const Fields la = f.object("linear_attn_config");
   const auto kda = la.int_list("kda_layers");
   const auto full = la.int_list("full_attn_layers");
-  c.kda_num_heads = to_int(la.positive("num_heads"), la.name("num_heads"));
-  c.kda_head_dim = to_int(la.positive("head_dim"), la.name("head_dim"));
-  c.short_conv_kernel_size = to_int(la.positive("short_conv_kernel_size"), la.name("short_conv_kernel_size"));
+  c.kda_num_heads = to_int(la.positive("num_heads"), la.name("num_heads"), kMaxHeads);
+  c.kda_head_dim = to_int(la.positive("head_dim"), la.name("head_dim"), kMaxHeadDim);
+  c.short_conv_kernel_size = to_int(la.positive("short_conv_kernel_size"), la.name("short_conv_kernel_size"), kMaxConvKernel);
   if (la.has("kda_gate_lower_bound")) c.kda_gate_lower_bound = static_cast<float>(la.number("kda_gate_lower_bound"));
   std::vector<int> seen(c.num_hidden_layers, 0);
   c.layer_kinds.assign(c.num_hidden_layers, LayerKind::kda);
@@ -252,10 +262,10 @@ ModelConfig ModelConfig::from_json(const json& j) {
     fail("config.json: 'architectures[0]' is '{}' but model_type '{}' needs '{}'", c.architecture, arch_name(c.arch),
          architecture_class(c.arch));
 
-  c.vocab_size = f.positive("vocab_size");
-  c.hidden_size = f.positive("hidden_size");
-  c.num_hidden_layers = to_int(f.positive("num_hidden_layers"), "num_hidden_layers");
-  c.intermediate_size = f.positive("intermediate_size");
+  c.vocab_size = at_most(f.positive("vocab_size"), "vocab_size", kMaxVocab);
+  c.hidden_size = at_most(f.positive("hidden_size"), "hidden_size", kMaxHidden);
+  c.num_hidden_layers = to_int(f.positive("num_hidden_layers"), "num_hidden_layers", kMaxLayers);
+  c.intermediate_size = at_most(f.positive("intermediate_size"), "intermediate_size", kMaxIntermediate);
   c.rms_norm_eps = static_cast<float>(f.number("rms_norm_eps"));
   if (c.rms_norm_eps <= 0) fail("config.json: field 'rms_norm_eps' must be positive");
   if (f.has("tie_word_embeddings")) c.tie_word_embeddings = f.boolean("tie_word_embeddings");
@@ -282,10 +292,10 @@ ModelConfig ModelConfig::from_json(const json& j) {
     c.rope_theta = f.number("rope_theta");
     if (f.has("rope_scaling")) c.yarn = parse_yarn(f.object("rope_scaling"));
     parse_indexer(f, c);
-    c.n_routed_experts = to_int(f.positive("n_routed_experts"), "n_routed_experts");
-    c.num_experts_per_tok = to_int(f.positive("num_experts_per_tok"), "num_experts_per_tok");
-    c.moe_intermediate_size = f.positive("moe_intermediate_size");
-    c.n_shared_experts = to_int(f.non_negative("n_shared_experts"), "n_shared_experts");
+    c.n_routed_experts = to_int(f.positive("n_routed_experts"), "n_routed_experts", kMaxExperts);
+    c.num_experts_per_tok = to_int(f.positive("num_experts_per_tok"), "num_experts_per_tok", kMaxExperts);
+    c.moe_intermediate_size = at_most(f.positive("moe_intermediate_size"), "moe_intermediate_size", kMaxIntermediate);
+    c.n_shared_experts = to_int(f.non_negative("n_shared_experts"), "n_shared_experts", kMaxExperts);
     c.n_group = f.has("n_group") ? to_int(f.positive("n_group"), "n_group") : 1;
     c.topk_group = f.has("topk_group") ? to_int(f.positive("topk_group"), "topk_group") : 1;
     c.norm_topk_prob = f.boolean("norm_topk_prob");
@@ -303,10 +313,10 @@ ModelConfig ModelConfig::from_json(const json& j) {
     if (c.arch == Arch::kimi_k3) parse_indexer(f, c);
     else if (f.has("index_topk"))
       fail("config.json: kimi_linear has no indexer but 'index_topk' is set (use model_type kimi_k3)");
-    c.n_routed_experts = to_int(f.positive("num_experts"), "num_experts");
-    c.num_experts_per_tok = to_int(f.positive("num_experts_per_token"), "num_experts_per_token");
-    c.moe_intermediate_size = f.positive("moe_intermediate_size");
-    c.n_shared_experts = to_int(f.non_negative("num_shared_experts"), "num_shared_experts");
+    c.n_routed_experts = to_int(f.positive("num_experts"), "num_experts", kMaxExperts);
+    c.num_experts_per_tok = to_int(f.positive("num_experts_per_token"), "num_experts_per_token", kMaxExperts);
+    c.moe_intermediate_size = at_most(f.positive("moe_intermediate_size"), "moe_intermediate_size", kMaxIntermediate);
+    c.n_shared_experts = to_int(f.non_negative("num_shared_experts"), "num_shared_experts", kMaxExperts);
     const bool grouped = f.has("use_grouped_topk") && f.boolean("use_grouped_topk");
     c.n_group = grouped ? to_int(f.positive("num_expert_group"), "num_expert_group") : 1;
     c.topk_group = grouped ? to_int(f.positive("topk_group"), "topk_group") : 1;

@@ -328,6 +328,12 @@ void EngineLoop::run() {
         const StepOutput out = engine_->step();
         const double t1 = now_seconds();
         dispatch(out, t0, t1);
+        const auto& bounds = iteration_token_bounds();
+        const size_t b = std::lower_bound(bounds.begin(), bounds.end(), static_cast<double>(out.num_tokens)) -
+                         bounds.begin();
+        std::lock_guard lock(mu_);
+        ++snapshot_.iteration_tokens[b];
+        snapshot_.iteration_tokens_sum += static_cast<double>(out.num_tokens);
       }
       announce();
       apply_pause();

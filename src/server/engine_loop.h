@@ -74,7 +74,16 @@ class RequestStream {
   bool over_ = false;
 };
 
+// Bounds of kestrel:iteration_tokens_total (tokens one engine step computed), vLLM's.
+inline const std::vector<double>& iteration_token_bounds() {
+  static const std::vector<double> b = {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
+  return b;
+}
+
 struct EngineSnapshot {
+  // Tokens per engine step: counts per bucket of iteration_token_bounds() (the last is beyond them), sum, steps.
+  std::vector<uint64_t> iteration_tokens = std::vector<uint64_t>(iteration_token_bounds().size() + 1, 0);
+  double iteration_tokens_sum = 0;
   int num_running = 0, num_waiting = 0;
   int64_t in_flight = 0;       // submitted and not yet over
   double kv_cache_usage = 0;   // fraction of cache rows held by sequences

@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -22,7 +23,6 @@ using net::use_awaitable;
 
 namespace {
 
-constexpr auto kIdleTimeout = std::chrono::seconds(300);   // a keep-alive connection with no request
 constexpr auto kWriteTimeout = std::chrono::seconds(120);  // a client that stops reading
 constexpr auto kDrainTimeout = std::chrono::seconds(10);
 constexpr uint64_t kMaxDrainBytes = uint64_t{1} << 30;
@@ -71,8 +71,9 @@ struct HttpExchange::Shared {
   bool watching = false;
 };
 
-HttpExchange::HttpExchange(beast::tcp_stream& stream, http::request<http::string_body>& req)
-    : stream_(stream), req_(req), shared_(std::make_shared<Shared>(stream.get_executor())) {
+HttpExchange::HttpExchange(beast::tcp_stream& stream, http::request<http::string_body>& req,
+                           const HttpServerOptions* opts)
+    : stream_(stream), req_(req), shared_(std::make_shared<Shared>(stream.get_executor())), opts_(opts) {
   keep_alive_ = req.keep_alive();
 }
 
@@ -88,9 +89,40 @@ std::string HttpExchange::path() const {
   return std::string(t.substr(0, t.find('?')));
 }
 
+void HttpExchange::started(int status) {
+  if (opts_ && opts_->on_status) opts_->on_status(status);
+}
+
+// vLLM's CORS middleware: a request with an allowed Origin gets Access-Control-Allow-Origin; a preflight (OPTIONS
+// with Access-Control-Request-Method) also the methods and headers it may use.
+template <typename Response>
+void HttpExchange::add_cors(Response& res) const {
+  if (!opts_ || opts_->allowed_origins.empty()) return;
+  const auto o = req_.find(http::field::origin);
+  if (o == req_.end()) return;
+  const std::string origin(o->value());
+  const auto& allowed = opts_->allowed_origins;
+  if (std::find(allowed.begin(), allowed.end(), "*") != allowed.end()) {
+    res.set(http::field::access_control_allow_origin, "*");
+  } else if (std::find(allowed.begin(), allowed.end(), origin) != allowed.end()) {
+    res.set(http::field::access_control_allow_origin, origin);
+    res.set(http::field::vary, "Origin");
+  } else {
+    return;
+  }
+  if (req_.method() == http::verb::options) {
+    res.set(http::field::access_control_allow_methods, "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT");
+    const auto h = req_.find(http::field::access_control_request_headers);
+    if (h != req_.end()) res.set(http::field::access_control_allow_headers, h->value());
+    res.set(http::field::access_control_max_age, "600");
+  }
+}
+
 awaitable<void> HttpExchange::reply(int status, std::string body, const char* content_type) {
   replied_ = true;
+  started(status);
   auto res = make_response(status, std::move(body), content_type, keep_alive_, req_.version());
+  add_cors(res);
   beast::error_code ec;
   stream_.expires_after(kWriteTimeout);
   co_await http::async_write(stream_, res, net::redirect_error(use_awaitable, ec));
@@ -100,12 +132,17 @@ awaitable<void> HttpExchange::reply(int status, std::string body, const char* co
 
 awaitable<bool> HttpExchange::begin_events() {
   replied_ = true;
+  started(200);
   http::response<http::empty_body> res{http::status::ok, req_.version()};
+  add_cors(res);
   res.set(http::field::server, "kestrel");
   res.set(http::field::content_type, "text/event-stream");
   res.set(http::field::cache_control, "no-cache");
+  // HTTP/1.0 has no chunked encoding: the body runs to the connection's close.
+  chunked_ = req_.version() >= 11;
+  if (!chunked_) keep_alive_ = false;
   res.keep_alive(keep_alive_);
-  res.chunked(true);
+  res.chunked(chunked_);
   http::response_serializer<http::empty_body> sr{res};
   beast::error_code ec;
   stream_.expires_after(kWriteTimeout);
@@ -120,14 +157,17 @@ awaitable<bool> HttpExchange::send_event(const std::string& data) {
   const std::string event = "data: " + data + "\n\n";
   beast::error_code ec;
   stream_.expires_after(kWriteTimeout);
-  co_await net::async_write(stream_, http::make_chunk(net::buffer(event)), net::redirect_error(use_awaitable, ec));
+  if (chunked_)
+    co_await net::async_write(stream_, http::make_chunk(net::buffer(event)), net::redirect_error(use_awaitable, ec));
+  else
+    co_await net::async_write(stream_, net::buffer(event), net::redirect_error(use_awaitable, ec));
   stream_.expires_never();
   if (ec) shared_->gone = true;
   co_return !shared_->gone;
 }
 
 awaitable<void> HttpExchange::end_events() {
-  if (shared_->gone) co_return;
+  if (shared_->gone || !chunked_) co_return;  // without chunks the close ends the body
   beast::error_code ec;
   stream_.expires_after(kWriteTimeout);
   co_await net::async_write(stream_, http::make_chunk_last(), net::redirect_error(use_awaitable, ec));
@@ -185,6 +225,12 @@ void HttpExchange::watch_disconnect() {
 }
 
 bool HttpExchange::client_gone() const { return shared_->gone; }
+
+awaitable<void> HttpExchange::sleep(std::chrono::milliseconds d) {
+  net::steady_timer t(stream_.get_executor(), d);
+  beast::error_code ec;
+  co_await t.async_wait(net::redirect_error(use_awaitable, ec));
+}
 
 HttpServer::HttpServer(const HttpServerOptions& opts, Handler handler)
     : opts_(opts), handler_(std::move(handler)), ioc_(opts.threads), acceptor_(ioc_) {}
@@ -252,18 +298,31 @@ awaitable<void> HttpServer::session(tcp::socket socket) {
     stream.socket().shutdown(tcp::socket::shutdown_both, ec);
     co_return;
   }
+  using clock = std::chrono::steady_clock;
+  auto after = [](double seconds) {
+    return clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
+  };
   while (!stopped_) {
     http::request_parser<http::string_body> parser;
     parser.body_limit(opts_.max_body_bytes);
-    stream.expires_after(kIdleTimeout);
+    // Idle: wait for the first byte of the next request (unless a pipelined one is buffered already).
+    if (buffer.size() == 0) {
+      stream.expires_at(after(opts_.idle_timeout));
+      const size_t n = co_await stream.async_read_some(buffer.prepare(4096), net::redirect_error(use_awaitable, ec));
+      if (ec) break;  // closed, or idle too long
+      buffer.commit(n);
+    }
+    stream.expires_at(after(opts_.header_timeout));
     co_await http::async_read_header(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
     if (ec == http::error::body_limit) {  // the Content-Length is over the limit
       co_await reject_too_large(stream, opts_.max_body_bytes,
                                 beast::iequals(parser.get()[http::field::expect], "100-continue"));
       break;
     }
+    // A header that did not arrive in time: the stream's timer has closed the connection (as uvicorn does).
+    if (ec == beast::error::timeout) break;
     if (ec) {
-      if (ec != http::error::end_of_stream && ec != beast::error::timeout && ec != net::error::eof &&
+      if (ec != http::error::end_of_stream && ec != net::error::eof &&
           ec != net::error::connection_reset && ec != net::error::operation_aborted) {
         auto res = make_response(400, error_body(400, "malformed HTTP request: " + ec.message()), "application/json",
                                  false, 11);
@@ -281,7 +340,17 @@ awaitable<void> HttpServer::session(tcp::socket socket) {
       co_await net::async_write(stream, net::buffer(cont), net::redirect_error(use_awaitable, ec));
       if (ec) break;
     }
-    co_await http::async_read(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
+    // The body, at an average of at least body_min_rate bytes/s after a grace of header_timeout.
+    const auto body_start = clock::now();
+    uint64_t body_read = 0;
+    while (!parser.is_done()) {
+      const double allowed = opts_.header_timeout + static_cast<double>(body_read) / std::max(opts_.body_min_rate, 1.0);
+      stream.expires_at(body_start +
+                        std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(allowed)));
+      body_read += co_await http::async_read_some(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
+      if (ec) break;
+    }
+    if (ec == beast::error::timeout) break;  // the body arrived too slowly: closed likewise
     if (ec == http::error::body_limit) {
       co_await reject_too_large(stream, opts_.max_body_bytes, false);
       break;
@@ -299,16 +368,18 @@ awaitable<void> HttpServer::session(tcp::socket socket) {
     http::request<http::string_body> req = parser.release();
     bool keep_alive = false;
     {
-      HttpExchange ex(stream, req);
+      HttpExchange ex(stream, req, &opts_);
       std::string failure;
       try {
         co_await handler_(ex);
       } catch (const std::exception& e) {
         failure = e.what();
+        if (failure.empty()) failure = "unknown error";
       }
       if (!failure.empty()) {
+        // Logged in full; the client gets a generic message (internal text is not for it).
         std::fprintf(stderr, "[kestrel] request %s failed: %s\n", ex.path().c_str(), failure.c_str());
-        if (!ex.replied()) co_await ex.reply(500, error_body(500, failure));
+        if (!ex.replied()) co_await ex.reply(500, error_body(500, "internal server error; the server's log has the details"));
       }
       keep_alive = failure.empty() && ex.keep_alive() && !ex.client_gone();
     }

@@ -4,6 +4,7 @@
 // that went away.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -24,9 +25,13 @@ namespace http = beast::http;
 template <typename T>
 using awaitable = net::awaitable<T>;
 
+struct HttpServerOptions;
+
 class HttpExchange {
  public:
-  HttpExchange(beast::tcp_stream& stream, http::request<http::string_body>& req);
+  // `opts` (may be null): the server's options (the status callback, CORS origins).
+  HttpExchange(beast::tcp_stream& stream, http::request<http::string_body>& req,
+               const HttpServerOptions* opts = nullptr);
   ~HttpExchange();
   HttpExchange(const HttpExchange&) = delete;
   HttpExchange& operator=(const HttpExchange&) = delete;
@@ -52,6 +57,8 @@ class HttpExchange {
   // Watches the connection for the client closing it, while the handler waits on something else.
   void watch_disconnect();
   bool client_gone() const;
+  // Waits `d` on the connection's strand.
+  awaitable<void> sleep(std::chrono::milliseconds d);
   bool keep_alive() const { return keep_alive_; }
 
  private:
@@ -59,7 +66,12 @@ class HttpExchange {
   beast::tcp_stream& stream_;
   http::request<http::string_body>& req_;
   std::shared_ptr<Shared> shared_;
+  const HttpServerOptions* opts_ = nullptr;
+  void started(int status);
+  template <typename Response>
+  void add_cors(Response& res) const;
   bool replied_ = false, keep_alive_ = true;
+  bool chunked_ = true;  // events in chunks (HTTP/1.1); HTTP/1.0 clients get a body ended by the connection's close
 };
 
 struct HttpServerOptions {
@@ -68,6 +80,16 @@ struct HttpServerOptions {
   int threads = 4;
   uint64_t max_body_bytes = uint64_t{64} << 20;
   int max_connections = 4096;  // beyond it a connection gets 503 and is closed
+  std::function<void(int)> on_status;  // told the status of every response (metrics); may be empty
+  // Deadlines per phase, so that slow or silent clients cannot hold connections (and --max-connections) for long:
+  // a keep-alive connection with no request is closed after idle_timeout; once a request's first byte is in, its
+  // header must arrive within header_timeout; its body must keep an average of body_min_rate bytes/s after a grace
+  // of header_timeout.
+  double idle_timeout = 5;       // seconds (uvicorn's --timeout-keep-alive default)
+  double header_timeout = 10;    // seconds
+  double body_min_rate = 16384;  // bytes per second
+  // CORS: origins whose browser requests are allowed ("*": any); empty: no CORS headers.
+  std::vector<std::string> allowed_origins;
 };
 
 class HttpServer {

@@ -17,6 +17,16 @@ std::vector<double> token_gap_buckets() {
           0.3,    0.4,   0.5,    0.75,  1.0,  2.5,   5.0,  7.5,   10.0, 20.0, 40.0, 80.0};
 }
 
+// 1, 2, 5, 10, 20, 50, ... up to `max` (vLLM's build_1_2_5_buckets).
+std::vector<double> token_count_buckets(int64_t max) {
+  std::vector<double> b;
+  for (double m = 1;; m *= 10)
+    for (double k : {1.0, 2.0, 5.0}) {
+      if (k * m > static_cast<double>(max)) return b.empty() ? std::vector<double>{1} : b;
+      b.push_back(k * m);
+    }
+}
+
 std::string number(double v) { return fmt::format("{}", v); }
 
 // Label values escape backslash, quote and newline.
@@ -57,20 +67,36 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
   out += fmt::format("{}_sum{{{}}} {}\n{}_count{{{}}} {}\n", name, labels, number(sum_), name, labels, count_);
 }
 
-ServerMetrics::ServerMetrics(std::string model_name)
+ServerMetrics::ServerMetrics(std::string model_name, int64_t max_model_len)
     : model_name_(std::move(model_name)),
       ttft_(latency_buckets()),
       itl_(token_gap_buckets()),
       e2e_(latency_buckets()),
       queue_(latency_buckets()),
       prefill_(latency_buckets()),
-      decode_(latency_buckets()) {}
+      decode_(latency_buckets()),
+      prompt_hist_(token_count_buckets(max_model_len)),
+      generation_hist_(token_count_buckets(max_model_len)),
+      tpot_(token_gap_buckets()) {}
+
+void ServerMetrics::set_cache_config(std::vector<std::pair<std::string, std::string>> labels) {
+  std::lock_guard lock(mu_);
+  cache_config_ = std::move(labels);
+}
 
 void ServerMetrics::record(const RequestRecord& r) {
   std::lock_guard lock(mu_);
   prompt_tokens_ += r.prompt_tokens;
   generation_tokens_ += r.generation_tokens;
   ++success_[r.finished_reason];
+  prompt_hist_.observe(static_cast<double>(r.prompt_tokens));
+  generation_hist_.observe(static_cast<double>(r.generation_tokens));
+  // Time per output token: the request's mean gap between tokens (vLLM's mean_time_per_output_token).
+  if (!r.token_gaps.empty()) {
+    double sum = 0;
+    for (double g : r.token_gaps) sum += g;
+    tpot_.observe(sum / static_cast<double>(r.token_gaps.size()));
+  }
   if (r.first_token > 0) ttft_.observe(r.first_token - r.arrival);
   for (double g : r.token_gaps) itl_.observe(g);
   e2e_.observe(r.finished - r.arrival);
@@ -86,6 +112,11 @@ void ServerMetrics::record(const RequestRecord& r) {
 void ServerMetrics::record_rejected(int status) {
   std::lock_guard lock(mu_);
   ++rejected_[status];
+}
+
+void ServerMetrics::record_response(int status) {
+  std::lock_guard lock(mu_);
+  ++responses_[status];
 }
 
 std::string ServerMetrics::render(const EngineSnapshot& s) const {
@@ -125,6 +156,12 @@ std::string ServerMetrics::render(const EngineSnapshot& s) const {
   header(out, "kestrel:request_rejected_total", "counter", "Requests refused before reaching the engine, by status.");
   for (const auto& [status, n] : rejected_)
     out += fmt::format("kestrel:request_rejected_total{{{},status=\"{}\"}} {}\n", lab, status, n);
+  header(out, "kestrel:http_requests_total", "counter", "HTTP responses, by status (500: a server fault).");
+  for (const int status : {200, 400, 500})  // always present, so that a rate of errors can be taken from zero
+    if (!responses_.count(status))
+      out += fmt::format("kestrel:http_requests_total{{{},status=\"{}\"}} 0\n", lab, status);
+  for (const auto& [status, n] : responses_)
+    out += fmt::format("kestrel:http_requests_total{{{},status=\"{}\"}} {}\n", lab, status, n);
   auto histogram = [&](const char* name, const char* help, const Histogram& h) {
     header(out, name, "histogram", help);
     h.render(out, name, lab);
@@ -136,6 +173,18 @@ std::string ServerMetrics::render(const EngineSnapshot& s) const {
   histogram("kestrel:request_prefill_time_seconds", "Histogram of time from first scheduled to first token.",
             prefill_);
   histogram("kestrel:request_decode_time_seconds", "Histogram of time from first token to the last.", decode_);
+  histogram("kestrel:request_prompt_tokens", "Number of prefill tokens processed, per request.", prompt_hist_);
+  histogram("kestrel:request_generation_tokens", "Number of generation tokens processed, per request.",
+            generation_hist_);
+  histogram("kestrel:time_per_output_token_seconds", "Histogram of a request's mean time per output token.", tpot_);
+  histogram("kestrel:iteration_tokens_total", "Histogram of the number of tokens per engine step.",
+            Histogram(iteration_token_bounds(), s.iteration_tokens, s.iteration_tokens_sum));
+  if (!cache_config_.empty()) {
+    header(out, "kestrel:cache_config_info", "gauge", "Information of the cache configuration.");
+    std::string labels = lab;
+    for (const auto& [k, v] : cache_config_) labels += fmt::format(",{}=\"{}\"", k, label_value(v));
+    out += fmt::format("kestrel:cache_config_info{{{}}} 1\n", labels);
+  }
   return out;
 }
 

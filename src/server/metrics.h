@@ -15,6 +15,11 @@ namespace kestrel::server {
 class Histogram {
  public:
   explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+  // A histogram of counts kept elsewhere (per bucket of `bounds`, the last beyond them).
+  Histogram(std::vector<double> bounds, std::vector<uint64_t> counts, double sum)
+      : bounds_(std::move(bounds)), counts_(std::move(counts)), sum_(sum) {
+    for (uint64_t c : counts_) count_ += c;
+  }
   void observe(double v);
   // Appends the _bucket (cumulative, with +Inf), _sum and _count lines of `name`.
   void render(std::string& out, const std::string& name, const std::string& labels) const;
@@ -37,11 +42,16 @@ struct RequestRecord {
 
 class ServerMetrics {
  public:
-  explicit ServerMetrics(std::string model_name);
+  // `max_model_len` bounds the token-count histograms (1-2-5 steps up to it, as vLLM's).
+  explicit ServerMetrics(std::string model_name, int64_t max_model_len = 1 << 20);
+  // kestrel:cache_config_info's labels (block_size, num_gpu_blocks, cache_dtype, ...), set once at start.
+  void set_cache_config(std::vector<std::pair<std::string, std::string>> labels);
 
   void record(const RequestRecord& r);
   // Counts a request refused before it reached the engine (status 4xx/5xx).
   void record_rejected(int status);
+  // Counts every HTTP response by status (kestrel:http_requests_total): 500s show up here.
+  void record_response(int status);
   std::string render(const EngineSnapshot& s) const;
 
  private:
@@ -50,7 +60,10 @@ class ServerMetrics {
   int64_t prompt_tokens_ = 0, generation_tokens_ = 0;
   std::map<std::string, int64_t> success_;  // by finished_reason
   std::map<int, int64_t> rejected_;         // by HTTP status
+  std::map<int, int64_t> responses_;        // by HTTP status
   Histogram ttft_, itl_, e2e_, queue_, prefill_, decode_;
+  Histogram prompt_hist_, generation_hist_, tpot_;
+  std::vector<std::pair<std::string, std::string>> cache_config_;
 };
 
 }  // namespace kestrel::server

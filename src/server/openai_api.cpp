@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
+#include <fstream>
 #include <random>
 
 #include "server/api_error.h"
 #include "server/completion_text.h"
 #include "server/prompt_logprobs.h"
+#include "server/responses_api.h"
 
 namespace kestrel::server {
 namespace {
@@ -19,6 +21,13 @@ std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_hand
 uint64_t random_u64() {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   return rng();
+}
+
+// Python's len() of a UTF-8 string: completions' text_offset counts characters, as vLLM's does.
+int64_t char_count(const std::string& s) {
+  int64_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
 }
 
 std::string random_id(const char* prefix) { return fmt::format("{}{:016x}{:016x}", prefix, random_u64(), random_u64()); }
@@ -51,7 +60,7 @@ struct Choice {
   std::vector<double> gaps;
   std::optional<std::string> finish_reason;
   Json stop_reason;           // the matched stop string or stop token id
-  int64_t text_bytes = 0;     // completions' text_offset
+  int64_t text_chars = 0;     // completions' text_offset: characters of `text` before the next token
 
   Choice(int i, int p, const text::Tokenizer& tok, const CompletionTextOptions& o) : index(i), prompt(p), text(tok, o) {}
 };
@@ -66,6 +75,8 @@ struct OpenAIApi::Job {
   std::vector<std::string> echo;  // prompt texts to prepend (completions with echo)
   CompletionTextOptions text;
   std::shared_ptr<const grammar::OutputConstraint> constraint;  // structured output
+  bool responses = false;  // /v1/responses: a chat request answered as a Responses object or event stream
+  Json responses_echoed;   // the request fields the response object repeats
 };
 
 OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const text::ChatTemplate* chat_template,
@@ -78,7 +89,8 @@ OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const t
       rl_(opts.served_model_name, tok, opts.vocab_size, loop, metrics),
       created_(unix_time()),
       seed_rng_(opts.seed ? *opts.seed : std::random_device{}()),
-      structured_(tok, static_cast<int32_t>(opts.vocab_size), opts.eos_token_id, opts.reasoning_parser) {}
+      structured_(tok, static_cast<int32_t>(opts.vocab_size), opts.eos_token_id, opts.reasoning_parser),
+      text_pool_(opts.text_threads, opts.text_queue) {}
 
 uint64_t OpenAIApi::draw_seed() {
   std::lock_guard lock(seed_mu_);
@@ -93,6 +105,11 @@ awaitable<void> OpenAIApi::handle(HttpExchange& ex) {
     error = e;
   } catch (const Error& e) {  // tokenizer, chat template, engine admission: the request's content is at fault
     error = ApiError(400, e.what());
+  } catch (const std::exception& e) {
+    // A fault of the server, not of the request: logged with what it was, answered without it (the text of an
+    // internal exception tells a client nothing it can act on, and may tell it about the server).
+    std::fprintf(stderr, "[kestrel] internal error on %s: %s\n", ex.path().c_str(), e.what());
+    error = ApiError(500, "internal server error; the server's log has the details");
   }
   if (error) {
     metrics_.record_rejected(error->status());
@@ -100,35 +117,103 @@ awaitable<void> OpenAIApi::handle(HttpExchange& ex) {
   }
 }
 
+Json generation_defaults(const std::string& dir) {
+  Json out = Json::object();
+  if (dir.empty()) return out;
+  std::ifstream f(dir + "/generation_config.json");
+  if (!f) return out;
+  const Json g = Json::parse(f, nullptr, false);
+  if (!g.is_object()) {
+    std::fprintf(stderr, "[kestrel] %s/generation_config.json is not a JSON object; ignored\n", dir.c_str());
+    return out;
+  }
+  for (const char* k : {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
+    if (g.contains(k) && g[k].is_number()) out[k] = g[k];
+  if (g.contains("max_new_tokens") && g["max_new_tokens"].is_number_integer()) out["max_tokens"] = g["max_new_tokens"];
+  return out;
+}
+
+void OpenAIApi::apply_defaults(Json& body) const {
+  for (const auto& [k, v] : opts_.generation_defaults.items()) {
+    if (body.contains(k) && !body[k].is_null()) continue;
+    if (k == "max_tokens" && body.contains("max_completion_tokens") && !body["max_completion_tokens"].is_null())
+      continue;
+    body[k] = v;
+  }
+}
+
 void OpenAIApi::check_model(const std::string& model) const {
-  if (!model.empty() && model != opts_.served_model_name)
+  if (!model.empty() && model != opts_.served_model_name &&
+      std::find(opts_.model_aliases.begin(), opts_.model_aliases.end(), model) == opts_.model_aliases.end())
     throw ApiError(404, fmt::format("The model `{}` does not exist.", model), "model");
 }
 
 awaitable<void> OpenAIApi::route(HttpExchange& ex) {
   const std::string path = ex.path();
+  // A CORS preflight: answered before authentication (browsers send no credentials with it), with the CORS headers
+  // the HTTP layer adds.
+  if (ex.request().method() == http::verb::options) {
+    co_await ex.reply(200, "", "text/plain");
+    co_return;
+  }
   // The RL control routes change what every client gets: they need the key too.
   if (!opts_.api_key.empty() && (path.starts_with("/v1") || path == "/pause" || path == "/resume")) {
     const auto auth = ex.request()[http::field::authorization];
     if (std::string_view(auth.data(), auth.size()) != "Bearer " + opts_.api_key)
       throw ApiError(401, "Unauthorized: a missing or wrong API key");
   }
-  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+  if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/responses") {
     if (ex.request().method() != http::verb::post)
       throw ApiError(405, fmt::format("{} is not allowed on {}", std::string(ex.request().method_string()), path));
     if (path == "/v1/completions") co_await completions(ex);
-    else co_await chat(ex);
+    else if (path == "/v1/chat/completions") co_await chat(ex);
+    else co_await responses(ex);
     co_return;
   }
   if (RlApi::handles(path)) {
     co_await rl_.handle(ex);
     co_return;
   }
+  if (path == "/tokenize") {  // renders and tokenises: text work
+    SimpleResponse r{200, ""};
+    if (!co_await off_thread(ex, [&](const std::atomic<bool>& cancel) { r = simple_route(ex, &cancel); })) co_return;
+    co_await ex.reply(r.status, std::move(r.body), r.content_type);
+    co_return;
+  }
   SimpleResponse r = simple_route(ex);
   co_await ex.reply(r.status, std::move(r.body), r.content_type);
 }
 
-OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex) const {
+awaitable<bool> OpenAIApi::off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work) {
+  const auto task = text_pool_.submit(std::move(work), ex.notifier());
+  ex.watch_disconnect();
+  // `work` refers to this coroutine's frame: wait for it to end even when the client is gone (it was told to
+  // cancel, and a cancelled render stops within a few hundred steps).
+  while (!task->done) {
+    if (ex.client_gone()) {
+      task->cancel = true;
+      co_await ex.sleep(std::chrono::milliseconds(2));
+    } else {
+      co_await ex.wait();
+    }
+  }
+  if (ex.client_gone()) co_return false;
+  if (task->error) {
+    if (text_pool_.stopped()) {
+      try {
+        std::rethrow_exception(task->error);
+      } catch (const ApiError&) {
+        throw;
+      } catch (const Error&) {  // cancelled by the shutdown
+        throw ApiError(503, "the server is shutting down");
+      }
+    }
+    std::rethrow_exception(task->error);
+  }
+  co_return true;
+}
+
+OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex, const std::atomic<bool>* cancel) const {
   const std::string path = ex.path();
   const auto method = ex.request().method();
   auto need = [&](http::verb v) {
@@ -137,14 +222,26 @@ OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex) const 
   };
   if (path == "/v1/models") {
     need(http::verb::get);
-    Json card = {{"id", opts_.served_model_name}, {"object", "model"},        {"created", created_},
-                 {"owned_by", "kestrel"},         {"root", opts_.model_dir},  {"parent", nullptr},
-                 {"max_model_len", loop_.max_model_len()}};
-    return {200, dump(Json{{"object", "list"}, {"data", Json::array({card})}})};
+    Json cards = Json::array();
+    std::vector<std::string> names = {opts_.served_model_name};
+    names.insert(names.end(), opts_.model_aliases.begin(), opts_.model_aliases.end());
+    for (const std::string& name : names)
+      cards.push_back({{"id", name}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"},
+                       {"root", opts_.model_dir}, {"parent", nullptr}, {"max_model_len", loop_.max_model_len()}});
+    return {200, dump(Json{{"object", "list"}, {"data", cards}})};
+  }
+  if (path == "/ping") {  // vLLM's (SageMaker's) liveness route: /health's answer, on GET or POST
+    if (method != http::verb::get && method != http::verb::post && method != http::verb::head)
+      throw ApiError(405, fmt::format("{} is not allowed on {}", std::string(ex.request().method_string()), path));
+    if (!loop_.alive()) throw ApiError(503, "the engine loop is not running");
+    if (!loop_.admitting()) throw ApiError(503, "the server is shutting down");
+    return {200, "", "text/plain"};
   }
   if (path == "/health") {
     need(http::verb::get);
     if (!loop_.alive()) throw ApiError(503, "the engine loop is not running");
+    // Draining after SIGTERM: a load balancer should stop sending here.
+    if (!loop_.admitting()) throw ApiError(503, "the server is shutting down");
     return {200, "", "text/plain"};
   }
   if (path == "/metrics") {
@@ -161,7 +258,7 @@ OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex) const 
     check_model(r.model);
     std::vector<int32_t> ids;
     if (r.prompt) ids = tok_.encode(*r.prompt, {.parse_special = true, .add_special_tokens = r.add_special_tokens});
-    else ids = encode_prompt(render_chat(r.messages, nullptr, r.add_generation_prompt, false, nullptr));
+    else ids = encode_prompt(render_chat(r.messages, nullptr, r.add_generation_prompt, false, nullptr, cancel));
     Json strs = nullptr;
     if (r.return_token_strs) {
       strs = Json::array();
@@ -187,10 +284,26 @@ std::vector<int32_t> OpenAIApi::encode_prompt(const std::string& text) const {
   return tok_.encode(text, {.parse_special = true, .add_special_tokens = false});
 }
 
+void OpenAIApi::check_text_length(const std::string& text, const char* param) const {
+  // Each token stands for at most max_token_bytes() bytes; twice that leaves room for normalizers that shorten
+  // text. Beyond it the prompt cannot fit, and tokenising it whole would only cost memory and time.
+  const uint64_t max_len = static_cast<uint64_t>(loop_.max_model_len());
+  const uint64_t bound = max_len * 2 * tok_.max_token_bytes();
+  if (text.size() > bound)
+    bad_request(param,
+                "This model's maximum context length is {} tokens. However, your request's prompt is {} bytes long, "
+                "which is more than {} tokens whatever its text. Please reduce the length of the input.",
+                max_len, text.size(), max_len);
+}
+
 std::string OpenAIApi::render_chat(const Json& messages, const Json& tools, bool add_generation_prompt,
-                                   bool continue_final_message, const Json& kwargs) const {
+                                   bool continue_final_message, const Json& kwargs,
+                                   const std::atomic<bool>* cancel) const {
   if (!chat_template_) bad_request("messages", "this model has no chat template; pass --chat-template FILE");
-  std::string text = chat_template_->render(messages, tools, add_generation_prompt, kwargs);
+  text::jinja::Limits limits;
+  limits.max_seconds = opts_.template_seconds;
+  limits.cancel = cancel;
+  std::string text = chat_template_->render(messages, tools, add_generation_prompt, kwargs, limits);
   if (continue_final_message) {
     // The prompt ends inside the final assistant message: cut what the template wrote after its content.
     const Json& last = messages.back()["content"];
@@ -204,14 +317,23 @@ std::string OpenAIApi::render_chat(const Json& messages, const Json& tools, bool
 }
 
 awaitable<void> OpenAIApi::completions(HttpExchange& ex) {
-  const CompletionRequest r = parse_completion_request(parse_body(ex.request().body()));
-  check_model(r.gen.model);
   Job job;
+  if (!co_await off_thread(ex, [&](const std::atomic<bool>& cancel) { prepare_completions(ex.request().body(), job, cancel); }))
+    co_return;
+  co_await generate(ex, job);
+}
+
+void OpenAIApi::prepare_completions(const std::string& body, Job& job, const std::atomic<bool>&) {
+  Json j = parse_body(body);
+  apply_defaults(j);
+  const CompletionRequest r = parse_completion_request(j);
+  check_model(r.gen.model);
   job.id = random_id("cmpl-");
   job.gen = r.gen;
   job.constraint = structured_.output(parse_output_request(r.gen.structured), StructuredOutputs::Start::text);
   for (const PromptInput& p : r.prompts) {
     if (const auto* s = std::get_if<std::string>(&p)) {
+      check_text_length(*s, "prompt");
       job.prompts.push_back(encode_prompt(*s));
       if (r.echo) job.echo.push_back(*s);
     } else {
@@ -220,13 +342,38 @@ awaitable<void> OpenAIApi::completions(HttpExchange& ex) {
       if (r.echo) job.echo.push_back(tok_.decode(ids));
     }
   }
-  co_await generate(ex, job);
 }
 
 awaitable<void> OpenAIApi::chat(HttpExchange& ex) {
-  const ChatRequest r = parse_chat_request(parse_body(ex.request().body()));
-  check_model(r.gen.model);
   Job job;
+  if (!co_await off_thread(ex, [&](const std::atomic<bool>& cancel) { prepare_chat(ex.request().body(), job, cancel); }))
+    co_return;
+  co_await generate(ex, job);
+}
+
+awaitable<void> OpenAIApi::responses(HttpExchange& ex) {
+  Job job;
+  auto prepare = [&](const std::atomic<bool>& cancel) {
+    const ResponsesRequest rr = translate_responses_request(parse_body(ex.request().body()));
+    Json chat = rr.chat;
+    prepare_chat_json(chat, job, cancel);
+    job.responses = true;
+    job.id = "resp_" + job.id.substr(9);
+    job.responses_echoed = rr.echoed;
+  };
+  if (!co_await off_thread(ex, prepare)) co_return;
+  co_await generate(ex, job);
+}
+
+void OpenAIApi::prepare_chat(const std::string& body, Job& job, const std::atomic<bool>& cancel) {
+  Json j = parse_body(body);
+  prepare_chat_json(j, job, cancel);
+}
+
+void OpenAIApi::prepare_chat_json(Json& j, Job& job, const std::atomic<bool>& cancel) {
+  apply_defaults(j);
+  const ChatRequest r = parse_chat_request(j);
+  check_model(r.gen.model);
   job.chat = true;
   job.id = random_id("chatcmpl-");
   job.gen = r.gen;
@@ -237,7 +384,8 @@ awaitable<void> OpenAIApi::chat(HttpExchange& ex) {
   if ((r.tool_choice == ToolChoice::required || r.tool_choice == ToolChoice::named) && !opts_.tool_call_parser)
     bad_request("tool_choice", "tool_choice \"required\" or a named tool needs the server's --tool-call-parser");
   const std::string prompt = render_chat(r.messages, r.tools, r.add_generation_prompt, r.continue_final_message,
-                                         r.chat_template_kwargs);
+                                         r.chat_template_kwargs, &cancel);
+  check_text_length(prompt, "messages");
   ParserOptions parser;
   if (tools) {
     parser.tools = opts_.tool_call_parser;
@@ -266,7 +414,6 @@ awaitable<void> OpenAIApi::chat(HttpExchange& ex) {
     job.constraint = structured_.output(output, start);
   }
   job.prompts.push_back(encode_prompt(prompt));
-  co_await generate(ex, job);
 }
 
 awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
@@ -277,6 +424,13 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     std::fprintf(stderr, "[kestrel] request %s: ignored unknown fields: %s\n", job.id.c_str(),
                  fmt::format("{}", fmt::join(gen.ignored_fields, ", ")).c_str());
 
+  if (gen.top_logprobs > opts_.max_logprobs)
+    bad_request("logprobs", "the server allows at most {} logprobs (--max-logprobs), got {}", opts_.max_logprobs,
+                gen.top_logprobs);
+  if (gen.prompt_logprobs > opts_.max_logprobs)
+    bad_request("prompt_logprobs", "the server allows at most {} prompt_logprobs (--max-logprobs), got {}",
+                opts_.max_logprobs, gen.prompt_logprobs);
+  const bool echo_logprobs = !job.chat && !job.echo.empty() && gen.top_logprobs >= 0 && !gen.stream;
   // Admission checks the engine would also make, answered in vLLM's words.
   std::vector<SamplingParams> params(P, gen.sampling);
   const uint64_t seed = gen.seeded ? gen.sampling.seed : draw_seed();
@@ -301,6 +455,9 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     params[p].seed = seed + static_cast<uint64_t>(p) * 0x9E3779B97F4A7C15ull;
     params[p].logprobs = gen.top_logprobs;
     params[p].prompt_logprobs = gen.prompt_logprobs;
+    // echo with logprobs: the prompt's tokens come first in `logprobs`, with their log-probabilities (not streamed:
+    // those are known once the request ends).
+    if (echo_logprobs) params[p].prompt_logprobs = std::max(gen.prompt_logprobs, gen.top_logprobs);
     params[p].constraint = job.constraint;
     params[p].validate(opts_.vocab_size);
   }
@@ -325,6 +482,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
       o.stop_token_ids = gen.sampling.stop_token_ids;
       if (!gen.sampling.ignore_eos) o.stop_token_ids.push_back(opts_.eos_token_id);
       choices.emplace_back(p * n + i, p, tok_, o);
+      if (!job.echo.empty()) choices.back().text_chars = char_count(job.echo[p]);
     }
 
   const int64_t created = unix_time();
@@ -388,7 +546,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
       if (into.is_null())
         into = {{"text_offset", Json::array()}, {"token_logprobs", Json::array()}, {"tokens", Json::array()},
                 {"top_logprobs", Json::array()}};
-      into["text_offset"].push_back(c.text_bytes);
+      into["text_offset"].push_back(c.text_chars);
       into["token_logprobs"].push_back(lp.logprob);
       into["tokens"].push_back(text);
       into["top_logprobs"].push_back(top);
@@ -408,7 +566,16 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
   };
 
   bool gone = false;
-  if (gen.stream) {
+  std::optional<ResponsesStream> rs;
+  if (job.responses) rs.emplace(job.id, created, opts_.served_model_name, job.responses_echoed);
+  auto send_all = [&](std::vector<std::string> events) -> awaitable<void> {
+    for (const std::string& e : events)
+      if (!gone) gone = !co_await ex.send_event(e);
+  };
+  if (gen.stream && rs) {
+    gone = !co_await ex.begin_events();
+    co_await send_all(rs->begin());
+  } else if (gen.stream) {
     gone = !co_await ex.begin_events();
     for (Choice& c : choices) {
       if (gone) break;
@@ -422,6 +589,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
   ex.watch_disconnect();
 
   std::vector<Json> prompt_logprobs(P);  // with gen.prompt_logprobs >= 0, once each request finished
+  std::vector<std::vector<TokenLogprob>> echo_lps(P);  // with echo_logprobs: positions 1.. of each prompt
   std::vector<bool> over(P, false);
   std::vector<double> finish_time(P, 0);
   std::optional<ApiError> failure;
@@ -431,6 +599,10 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     c.finish_reason = reason;
     c.stop_reason = std::move(stop_reason);
     if (!gen.stream || gone) co_return;
+    if (rs) {
+      co_await send_all(rs->delta(last));
+      co_return;
+    }
     if (!last.empty() || !logprobs.is_null()) gone = !co_await ex.send_event(chunk(stream_choice(c, last, std::move(logprobs))));
     Json fin = {{"index", c.index}};
     if (job.chat) fin["delta"] = Json::object();
@@ -459,7 +631,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
         if (t.logprob) {
           add_logprob(c, *t.logprob, c.logprobs);
           add_logprob(c, *t.logprob, lp);
-          c.text_bytes += static_cast<int64_t>(token_text(t.token).size());
+          c.text_chars += char_count(logprob_token(t.token));
         }
         if (c.text.stopped_by_string()) {
           co_await close_choice(c, d, "stop", *c.text.stop_string(), std::move(lp));
@@ -469,7 +641,8 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
           continue;
         }
         c.total.merge(d);
-        if (gen.stream && !gone && (!d.empty() || !lp.is_null()))
+        if (gen.stream && !gone && rs) co_await send_all(rs->delta(d));
+        else if (gen.stream && !gone && (!d.empty() || !lp.is_null()))
           gone = !co_await ex.send_event(chunk(stream_choice(c, d, std::move(lp))));
       }
       if (ev.error) failure = ApiError(ev.error_status == 400 ? 400 : 503, *ev.error);
@@ -478,6 +651,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
         if (gen.prompt_logprobs >= 0)
           prompt_logprobs[p] = prompt_logprobs_json(ev.finished->prompt_logprobs, ev.finished->prompt_logprobs_start,
                                                     logprob_token);
+        if (echo_logprobs && ev.finished->prompt_logprobs_start == 1) echo_lps[p] = ev.finished->prompt_logprobs;
         for (const Completion& comp : ev.finished->completions) {
           Choice& c = choices[static_cast<size_t>(p) * n + comp.index];
           if (c.finish_reason) continue;
@@ -531,6 +705,25 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     co_return;
   }
 
+  auto response_end = [&] {
+    ResponseEnd e;
+    e.input_tokens = prompt_tokens;
+    for (const auto& r : reqs) e.cached_tokens += r->cached_tokens();
+    for (const Choice& c : choices) e.output_tokens += c.tokens;
+    e.finish_reason = choices[0].finish_reason.value_or("abort");
+    return e;
+  };
+  if (rs && gen.stream) {
+    co_await send_all(rs->finish(response_end()));
+    if (!gone) co_await ex.end_events();
+    co_return;
+  }
+  if (rs) {
+    const ResponseEnd end = response_end();
+    co_await ex.reply(200, dump(response_object(job.id, created, opts_.served_model_name, job.responses_echoed,
+                                                response_items(job.id, choices[0].total), &end)));
+    co_return;
+  }
   if (gen.stream) {
     if (gen.include_usage) {
       Json u = {{"id", job.id}, {"object", object}, {"created", created}, {"model", opts_.served_model_name},
@@ -542,6 +735,35 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     co_return;
   }
 
+  // The prompt's tokens before the generated ones (vLLM's echo with logprobs): the first has no context (null).
+  auto with_prompt_logprobs = [&](const Choice& c) {
+    const std::vector<int32_t>& ids = job.prompts[c.prompt];
+    const std::vector<TokenLogprob>& lps = echo_lps[c.prompt];
+    Json out = {{"text_offset", Json::array()}, {"token_logprobs", Json::array()}, {"tokens", Json::array()},
+                {"top_logprobs", Json::array()}};
+    int64_t at = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::string text = logprob_token(ids[i]);
+      out["text_offset"].push_back(at);
+      out["tokens"].push_back(text);
+      at += char_count(text);
+      if (i == 0 || i - 1 >= lps.size()) {
+        out["token_logprobs"].push_back(nullptr);
+        out["top_logprobs"].push_back(nullptr);
+        continue;
+      }
+      const TokenLogprob& lp = lps[i - 1];
+      out["token_logprobs"].push_back(lp.logprob);
+      Json top = Json::object();
+      for (size_t k = 0; k < lp.top.size() && static_cast<int>(k) < gen.top_logprobs; ++k)
+        top[logprob_token(lp.top[k].first)] = lp.top[k].second;
+      out["top_logprobs"].push_back(top);
+    }
+    if (c.logprobs.is_object())
+      for (const char* k : {"text_offset", "token_logprobs", "tokens", "top_logprobs"})
+        for (const Json& v : c.logprobs[k]) out[k].push_back(v);
+    return out;
+  };
   Json out_choices = Json::array();
   for (const Choice& c : choices) {
     Json j = {{"index", c.index}};
@@ -558,6 +780,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
       j["text"] = (job.echo.empty() ? std::string() : job.echo[c.prompt]) + c.total.content;
     }
     j["logprobs"] = c.logprobs;
+    if (echo_logprobs) j["logprobs"] = with_prompt_logprobs(c);
     j["finish_reason"] = c.finish_reason.value_or("abort");
     j["stop_reason"] = c.stop_reason;
     if (!job.chat && gen.prompt_logprobs >= 0) j["prompt_logprobs"] = prompt_logprobs[c.prompt];

@@ -3,7 +3,9 @@
 // template, detokenises incrementally, applies stop strings and runs the reasoning and tool-call parsers; the
 // engine loop sees token ids only.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <optional>
@@ -17,6 +19,7 @@
 #include "server/protocol.h"
 #include "server/rl_api.h"
 #include "server/structured_output.h"
+#include "server/text_pool.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -31,7 +34,18 @@ struct ApiOptions {
   int32_t eos_token_id = -1;
   int64_t vocab_size = 0;
   std::optional<uint64_t> seed;  // seeds requests without one (reproducible runs); none: random
+  // Text work (parsing, chat template, tokenising) runs on its own threads behind a bounded queue (429 when full).
+  int text_threads = 2;
+  size_t text_queue = 256;
+  double template_seconds = 10;  // wall-time budget of one chat-template render
+  std::vector<std::string> model_aliases;  // more names a request's `model` may use
+  Json generation_defaults = Json::object();  // sampling fields of generation_config.json, for requests without them
+  int max_logprobs = 20;
 };
+
+// The sampling defaults of MODEL_DIR/generation_config.json as request fields (vLLM's --generation-config auto):
+// temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens. Empty when absent.
+Json generation_defaults(const std::string& dir);
 
 class OpenAIApi {
  public:
@@ -40,6 +54,8 @@ class OpenAIApi {
             EngineLoop& loop, ServerMetrics& metrics);
 
   awaitable<void> handle(HttpExchange& ex);
+  // SIGTERM: running renders are cancelled, queued text work gets 503, the text threads are joined.
+  void stop_text_work() { text_pool_.stop(); }
 
  private:
   struct Job;
@@ -50,13 +66,23 @@ class OpenAIApi {
   };
   awaitable<void> route(HttpExchange& ex);
   // The routes answered without waiting on the engine.
-  SimpleResponse simple_route(const HttpExchange& ex) const;
+  SimpleResponse simple_route(const HttpExchange& ex, const std::atomic<bool>* cancel = nullptr) const;
+  // Runs `work` on the text threads and waits for it; a client that goes away cancels it. False when the client
+  // went away (nothing is to be answered).
+  awaitable<bool> off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work);
   awaitable<void> completions(HttpExchange& ex);
   awaitable<void> chat(HttpExchange& ex);
+  void prepare_completions(const std::string& body, Job& job, const std::atomic<bool>& cancel);
+  void prepare_chat(const std::string& body, Job& job, const std::atomic<bool>& cancel);
+  void prepare_chat_json(Json& body, Job& job, const std::atomic<bool>& cancel);
+  awaitable<void> responses(HttpExchange& ex);
   awaitable<void> generate(HttpExchange& ex, Job& job);
   void check_model(const std::string& model) const;
+  void apply_defaults(Json& body) const;
   std::string render_chat(const Json& messages, const Json& tools, bool add_generation_prompt,
-                          bool continue_final_message, const Json& kwargs) const;
+                          bool continue_final_message, const Json& kwargs, const std::atomic<bool>* cancel) const;
+  // Refuses (400, before any tokenising) a text whose length alone puts it over max_model_len.
+  void check_text_length(const std::string& text, const char* param) const;
   std::vector<int32_t> encode_prompt(const std::string& text) const;
   std::string token_text(int32_t id) const;
   uint64_t draw_seed();
@@ -71,6 +97,7 @@ class OpenAIApi {
   std::mutex seed_mu_;
   std::mt19937_64 seed_rng_;
   StructuredOutputs structured_;
+  TextPool text_pool_;  // last: its threads stop before the members they use go
 };
 
 }  // namespace kestrel::server

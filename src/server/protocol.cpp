@@ -269,7 +269,8 @@ Json parse_tools(const Json* v) {
   for (size_t i = 0; i < v->size(); ++i) {
     const Json& t = (*v)[i];
     const std::string where = fmt::format("tools[{}]", i);
-    if (!t.is_object() || t.value("type", "") != "function")
+    const auto type = t.is_object() ? t.find("type") : t.end();
+    if (!t.is_object() || type == t.end() || !type->is_string() || *type != "function")
       bad_request(where, "'{}' must be an object of type 'function'", where);
     const auto fn = t.find("function");
     if (fn == t.end() || !fn->is_object()) bad_request(where, "'{}.function' must be an object", where);
@@ -332,6 +333,10 @@ Json parse_body(const std::string& body) {
     j = Json::parse(body, limit_depth);
   } catch (const Json::parse_error& e) {
     throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()));
+  } catch (const Json::out_of_range& e) {  // a number beyond double's range, e.g. 1e400
+    throw ApiError(400, fmt::format("the request body holds a number out of range: {}", e.what()));
+  } catch (const Json::exception& e) {
+    throw ApiError(400, fmt::format("the request body cannot be read as JSON: {}", e.what()));
   }
   if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object");
   return j;
@@ -399,7 +404,8 @@ ChatRequest parse_chat_request(const Json& body) {
       else bad_request("tool_choice", "'tool_choice' '{}' is not one of none, auto, required", c);
     } else if (v->is_object()) {
       const auto fn = v->find("function");
-      if (v->value("type", "") != "function" || fn == v->end() || !fn->is_object() || !fn->contains("name") ||
+      const auto type = v->find("type");
+      if (type == v->end() || !type->is_string() || *type != "function" || fn == v->end() || !fn->is_object() || !fn->contains("name") ||
           !(*fn)["name"].is_string())
         bad_request("tool_choice", "a named 'tool_choice' is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}");
       r.tool_choice = ToolChoice::named;

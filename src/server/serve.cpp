@@ -4,6 +4,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -65,11 +66,27 @@ int serve(const ServeOptions& o) {
   api.eos_token_id = static_cast<int32_t>(model->config().eos_token_id);
   api.vocab_size = model->config().vocab_size;
   api.seed = o.seed;
+  api.model_aliases = o.model_aliases;
+  api.generation_defaults = generation_defaults(o.generation_config_dir);
+  if (!api.generation_defaults.empty())
+    std::fprintf(stderr, "[kestrel] default sampling from %s/generation_config.json: %s\n",
+                 o.generation_config_dir.c_str(), api.generation_defaults.dump().c_str());
+  api.max_logprobs = o.max_logprobs;
+  api.text_threads = o.text_threads;
+  api.text_queue = static_cast<size_t>(std::max<int64_t>(o.max_text_queue, 1));
 
   EngineConfig engine_cfg = o.engine;
   const std::shared_ptr<void> device = o.attach_device ? o.attach_device(*model, engine_cfg) : nullptr;
-  EngineLoop loop(std::make_unique<Engine>(*model, engine_cfg), o.max_queued_requests);
-  ServerMetrics metrics(api.served_model_name);
+  auto engine = std::make_unique<Engine>(*model, engine_cfg);
+  const CachePlan cache_plan = engine->cache_plan();
+  const int64_t cache_rows = engine->cache().pool().num_rows();
+  EngineLoop loop(std::move(engine), o.max_queued_requests);
+  ServerMetrics metrics(api.served_model_name, loop.max_model_len());
+  metrics.set_cache_config({{"block_size", std::to_string(cache_plan.block_size)},
+                            {"num_gpu_blocks", std::to_string(cache_rows)},
+                            {"cache_row_bytes", std::to_string(cache_plan.row_bytes)},
+                            {"kv_cache_memory_bytes", std::to_string(engine_cfg.cache_bytes)},
+                            {"enable_prefix_caching", engine_cfg.enable_prefix_caching ? "True" : "False"}});
   OpenAIApi handlers(api, tok, chat_template ? &*chat_template : nullptr, loop, metrics);
 
   HttpServerOptions http_opts;
@@ -78,6 +95,18 @@ int serve(const ServeOptions& o) {
   http_opts.threads = o.http_threads;
   http_opts.max_body_bytes = o.max_request_bytes;
   http_opts.max_connections = o.max_connections;
+  {
+    const auto origins = nlohmann::json::parse(o.allowed_origins, nullptr, false);
+    if (!origins.is_array()) fail("--allowed-origins must be a JSON list of strings, e.g. '[\"*\"]'");
+    for (const auto& x : origins) {
+      if (!x.is_string()) fail("--allowed-origins must be a JSON list of strings, e.g. '[\"*\"]'");
+      http_opts.allowed_origins.push_back(x.get<std::string>());
+    }
+  }
+  http_opts.idle_timeout = o.keep_alive_timeout;
+  http_opts.header_timeout = o.header_timeout;
+  http_opts.body_min_rate = o.body_min_rate;
+  http_opts.on_status = [&metrics](int status) { metrics.record_response(status); };
   HttpServer http(http_opts, [&handlers](HttpExchange& ex) { return handlers.handle(ex); });
   const int port = http.listen();
   loop.start();
@@ -94,6 +123,9 @@ int serve(const ServeOptions& o) {
                sig == SIGTERM ? "SIGTERM" : "SIGINT", o.shutdown_timeout,
                static_cast<long long>(loop.snapshot().in_flight));
   loop.stop_admitting();
+  // Renders and tokenising in progress are cancelled now, not after the grace period: they have produced nothing
+  // a client waits for yet.
+  handlers.stop_text_work();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.shutdown_timeout);
   while (loop.snapshot().in_flight > 0 && loop.alive() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

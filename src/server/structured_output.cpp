@@ -131,7 +131,8 @@ std::optional<OutputRequest> parse_output_request(const Json& structured) {
   std::vector<OutputRequest> found;
   if (const auto it = structured.find("response_format"); it != structured.end()) {
     const Json& rf = *it;
-    if (!(rf.is_object() && rf.value("type", "") == "text")) found.push_back(from_response_format(rf));
+    const bool text = rf.is_object() && rf.contains("type") && rf["type"].is_string() && rf["type"] == "text";
+    if (!text) found.push_back(from_response_format(rf));
   }
   if (const auto it = structured.find("structured_outputs"); it != structured.end())
     found.push_back(from_structured_outputs(*it));

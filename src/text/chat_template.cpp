@@ -90,7 +90,7 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& model_dir, const st
 // The request's JSON goes straight into template values, never through a copy of the JSON: copying (like dump())
 // recurses once per nesting level, while from_json refuses values nested deeper than jinja::kMaxValueDepth.
 std::string ChatTemplate::render(const ordered_json& messages, const ordered_json& tools, bool add_generation_prompt,
-                                  const ordered_json& extra) const {
+                                  const ordered_json& extra, const jinja::Limits& limits) const {
   if (!messages.is_array()) fail("chat messages must be a list");
   jinja::DictData d = base_;
   d.set("messages", jinja::Value::from_json(messages));
@@ -99,15 +99,15 @@ std::string ChatTemplate::render(const ordered_json& messages, const ordered_jso
   d.set("add_generation_prompt", jinja::Value(add_generation_prompt));
   if (extra.is_object())
     for (const auto& [k, v] : extra.items()) d.set(k, jinja::Value::from_json(v));
-  return tmpl_.render(d);
+  return tmpl_.render(d, limits);
 }
 
-std::string ChatTemplate::render_context(const ordered_json& context) const {
+std::string ChatTemplate::render_context(const ordered_json& context, const jinja::Limits& limits) const {
   jinja::DictData d = base_;
   if (!context.is_object() && !context.is_null()) fail("template context must be an object");
   if (context.is_object())
     for (const auto& [k, v] : context.items()) d.set(k, jinja::Value::from_json(v));
-  return tmpl_.render(d);
+  return tmpl_.render(d, limits);
 }
 
 }  // namespace kestrel::text

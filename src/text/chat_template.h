@@ -24,11 +24,13 @@ class ChatTemplate {
 
   // `tools` may be null; `extra` is an object of additional variables (e.g. {"thinking": true}).
   // Throws kestrel::Error when the template raises or fails.
+  // `limits`: the render's budgets (steps, bytes, wall time) and a cancellation flag (jinja.h).
   std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
-                     bool add_generation_prompt, const nlohmann::ordered_json& extra = nullptr) const;
+                     bool add_generation_prompt, const nlohmann::ordered_json& extra = nullptr,
+                     const jinja::Limits& limits = {}) const;
 
   // Renders with an arbitrary context object (its keys become variables), with the same globals.
-  std::string render_context(const nlohmann::ordered_json& context) const;
+  std::string render_context(const nlohmann::ordered_json& context, const jinja::Limits& limits = {}) const;
 
  private:
   jinja::Template tmpl_;

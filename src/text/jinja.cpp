@@ -1,5 +1,6 @@
 #include "text/jinja.h"
 
+#include <chrono>
 #include <cmath>
 #include <unordered_map>
 
@@ -23,6 +24,10 @@ constexpr int kMaxTemplateNesting = 128;
 // expression levels deep: about 55 KB of stack per call at full nesting (Release, x86-64). 64 calls stay under
 // 4 MB; recursive macros in chat templates follow a tool schema's nesting, a few levels.
 constexpr int kMaxMacroRecursion = 64;
+
+// The most items a list built by `+` or `*` may hold (a doubling loop of `l + l` would otherwise reach gigabytes
+// within the step budget).
+constexpr size_t kMaxListItems = 1'000'000;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Lexer
@@ -373,7 +378,10 @@ struct Ctx {
   Frame* root = nullptr;
   int macro_depth = 0;
   int64_t steps = 0;
-  size_t output_limit = size_t{256} << 20;
+  size_t total_bytes = 0;
+  Limits limits;
+  size_t output_limit = limits.max_output_bytes;
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 
   Value lookup(const std::string& name) const {
     for (Frame* f = frame; f; f = f->parent) {
@@ -382,10 +390,34 @@ struct Ctx {
     }
     return Value::undefined(name);
   }
-  void tick() {
-    if (++steps > 50'000'000) fail("template render exceeded its step budget (runaway loop?)");
+  void tick(int64_t n = 1) {
+    const int64_t before = steps;
+    steps += n;
+    if (steps > limits.max_steps)
+      fail("template render exceeded its budget of {} steps (runaway loop or recursion?)", limits.max_steps);
+    // The flag and the clock every 256 steps: cheap, and a step is bounded work (a string built is capped).
+    if ((before >> 8) != (steps >> 8)) {
+      if (limits.cancel && limits.cancel->load(std::memory_order_relaxed)) fail("template render cancelled");
+      if (std::chrono::steady_clock::now() > deadline)
+        fail("template render exceeded its time budget of {} s", limits.max_seconds);
+    }
+  }
+  void charge(size_t bytes) {
+    if (bytes > limits.max_string_bytes)
+      fail("template render built a string of {} bytes (the limit is {})", bytes, limits.max_string_bytes);
+    total_bytes += bytes;
+    if (total_bytes > limits.max_total_bytes)
+      fail("template render built more than {} bytes of strings in all", limits.max_total_bytes);
+    tick(1 + static_cast<int64_t>(bytes >> 12));  // building a string is work too: one step per 4 KiB
+  }
+  void charge(const Value& v) {
+    if (v.is_string()) charge(v.str().size());
+    else if (v.is_list()) tick(1 + static_cast<int64_t>(v.items().size() >> 4));
   }
 };
+
+thread_local Ctx* g_render = nullptr;  // the render running on this thread, for the builtins' charges
+
 
 enum class Flow { normal, brk, cont };
 
@@ -411,6 +443,7 @@ namespace {
 
 Flow exec_body(const Body& body, Ctx& c, std::string& out) {
   for (const NodePtr& n : body) {
+    c.tick();
     const Flow f = n->exec(c, out);
     if (f != Flow::normal) return f;
   }
@@ -505,7 +538,12 @@ struct Call : Expr {
   Value eval(Ctx& c) const override {
     const Value f = callee->eval(c);
     CallArgs a = args.eval(c);
-    if (f.is_callable()) return f.callable().fn(a);
+    if (f.is_callable()) {
+      c.tick();
+      Value v = f.callable().fn(a);
+      c.charge(v);
+      return v;
+    }
     if (f.is_undefined()) fail("'{}' is undefined", f.undefined_name());
     fail("'{}' object is not callable", f.type_name());
   }
@@ -519,7 +557,10 @@ struct FilterExpr : Expr {
   Value eval(Ctx& c) const override {
     const Value v = input->eval(c);
     CallArgs a = args.eval(c);
-    return (*filter)(v, a);
+    c.tick();
+    Value r = (*filter)(v, a);
+    c.charge(r);
+    return r;
   }
 };
 
@@ -554,34 +595,52 @@ int64_t floor_div(int64_t a, int64_t b) {
   return q;
 }
 
-Value repeat(const Value& seq, int64_t n) {
+// `seq * n`: the size is known before anything is built, so an empty sequence times 2^62 costs nothing and a large
+// result is refused before it is allocated.
+Value repeat(Ctx& c, const Value& seq, int64_t n) {
+  const size_t unit = seq.is_string() ? seq.str().size() : seq.items().size();
+  if (n <= 0 || unit == 0) return seq.is_string() ? Value(std::string()) : Value::list(std::vector<Value>{});
+  const uint64_t limit = seq.is_string() ? c.limits.max_string_bytes : kMaxListItems;
+  if (static_cast<uint64_t>(n) > limit / unit)
+    fail("template render: repetition of {} {} {} times is over the limit of {}", unit,
+         seq.is_string() ? "bytes" : "items", n, limit);
+  const size_t total = unit * static_cast<size_t>(n);
   if (seq.is_string()) {
+    c.charge(total);
     std::string out;
-    for (int64_t i = 0; i < n; ++i) {
-      out += seq.str();
-      if (out.size() > (size_t{64} << 20)) fail("string repetition too large");
-    }
+    out.reserve(total);
+    for (int64_t i = 0; i < n; ++i) out += seq.str();
     return Value(out);
   }
+  c.tick(1 + static_cast<int64_t>(total >> 4));
   std::vector<Value> out;
-  for (int64_t i = 0; i < n; ++i) {
-    out.insert(out.end(), seq.items().begin(), seq.items().end());
-    if (out.size() > 10'000'000) fail("list repetition too large");
-  }
+  out.reserve(total);
+  for (int64_t i = 0; i < n; ++i) out.insert(out.end(), seq.items().begin(), seq.items().end());
   return Value::list(std::move(out));
 }
 
-Value binary(const std::string& op, const Value& a, const Value& b) {
+Value binary(Ctx& c, const std::string& op, const Value& a, const Value& b) {
   auto type_error = [&]() -> Value {
     fail("unsupported operand type(s) for {}: '{}' and '{}'", op, a.type_name(), b.type_name());
   };
-  if (op == "~") return Value(a.to_str() + b.to_str());
+  // Strings and lists built here are charged before they are allocated.
+  if (op == "~") {
+    std::string l = a.to_str(), r = b.to_str();
+    c.charge(l.size() + r.size());
+    return Value(l + r);
+  }
   const bool nums = a.is_number() && b.is_number();
   const bool floats = nums && (a.is_float() || b.is_float());
   if (op == "+") {
     if (nums) return floats ? Value(a.as_double() + b.as_double()) : Value(a.as_int() + b.as_int());
-    if (a.is_string() && b.is_string()) return Value(a.str() + b.str());
+    if (a.is_string() && b.is_string()) {
+      c.charge(a.str().size() + b.str().size());
+      return Value(a.str() + b.str());
+    }
     if (a.is_list() && b.is_list()) {
+      const size_t items = a.items().size() + b.items().size();
+      if (items > kMaxListItems) fail("template render built a list of {} items (the limit is {})", items, kMaxListItems);
+      c.tick(1 + static_cast<int64_t>(items >> 4));
       std::vector<Value> v = a.items();
       v.insert(v.end(), b.items().begin(), b.items().end());
       return Value::list(std::move(v), a.is_tuple());
@@ -594,8 +653,8 @@ Value binary(const std::string& op, const Value& a, const Value& b) {
   }
   if (op == "*") {
     if (nums) return floats ? Value(a.as_double() * b.as_double()) : Value(a.as_int() * b.as_int());
-    if ((a.is_string() || a.is_list()) && (b.is_int() || b.is_bool())) return repeat(a, b.as_int());
-    if ((b.is_string() || b.is_list()) && (a.is_int() || a.is_bool())) return repeat(b, a.as_int());
+    if ((a.is_string() || a.is_list()) && (b.is_int() || b.is_bool())) return repeat(c, a, b.as_int());
+    if ((b.is_string() || b.is_list()) && (a.is_int() || a.is_bool())) return repeat(c, b, a.as_int());
     return type_error();
   }
   if (op == "/") {
@@ -641,7 +700,7 @@ Value binary(const std::string& op, const Value& a, const Value& b) {
 struct Binary : Expr {
   std::string op;
   ExprPtr l, r;
-  Value eval(Ctx& c) const override { return binary(op, l->eval(c), r->eval(c)); }
+  Value eval(Ctx& c) const override { return binary(c, op, l->eval(c), r->eval(c)); }
 };
 
 struct Compare : Expr {
@@ -689,14 +748,17 @@ struct CondExpr : Expr {
 
 struct TextNode : Node {
   std::string text;
-  Flow exec(Ctx&, std::string& out) const override {
-    out += text;
-    return Flow::normal;
-  }
+  Flow exec(Ctx& c, std::string& out) const override;
 };
 
 void check_output(const Ctx& c, const std::string& out) {
-  if (out.size() > c.output_limit) fail("template output exceeds {} bytes", c.output_limit);
+  if (out.size() > c.output_limit) fail("template render: output exceeds {} bytes", c.output_limit);
+}
+
+Flow TextNode::exec(Ctx& c, std::string& out) const {
+  out += text;
+  check_output(c, out);
+  return Flow::normal;
 }
 
 struct OutputNode : Node {
@@ -712,9 +774,10 @@ struct IfNode : Node {
   std::vector<std::pair<ExprPtr, Body>> branches;
   Body else_body;
   Flow exec(Ctx& c, std::string& out) const override {
-    for (const auto& [cond, body] : branches) {
-      const bool t = at_line(cond->line, [&] { return cond->eval(c).truthy(); });
-      if (t) return exec_body(body, c, out);
+    for (const auto& branch : branches) {  // no structured binding: clang 14 (the fuzz build) cannot capture one
+      const Expr& cond = *branch.first;
+      const bool t = at_line(cond.line, [&] { return cond.eval(c).truthy(); });
+      if (t) return exec_body(branch.second, c, out);
     }
     return exec_body(else_body, c, out);
   }
@@ -841,6 +904,7 @@ struct MacroNode : Node {
     return Flow::normal;
   }
   Value call(Ctx& c, CallArgs& a) const {
+    c.tick();
     if (++c.macro_depth > kMaxMacroRecursion) fail("macro recursion deeper than {}", kMaxMacroRecursion);
     Frame frame;
     frame.parent = c.root;
@@ -902,7 +966,10 @@ struct WithNode : Node {
   Flow exec(Ctx& c, std::string& out) const override {
     Frame frame;
     frame.parent = c.frame;
-    for (const auto& [k, e] : assigns) frame.vars[k] = at_line(line, [&] { return e->eval(c); });
+    for (const auto& assign : assigns) {
+      const Expr& e = *assign.second;
+      frame.vars[assign.first] = at_line(line, [&] { return e.eval(c); });
+    }
     Frame* saved = c.frame;
     c.frame = &frame;
     Flow f = Flow::normal;
@@ -1648,7 +1715,7 @@ Template::~Template() = default;
 Template::Template(Template&&) noexcept = default;
 Template& Template::operator=(Template&&) noexcept = default;
 
-std::string Template::render(const DictData& context) const {
+std::string Template::render(const DictData& context, const Limits& limits) const {
   Frame globals;
   for (auto& [k, v] : default_globals().items) globals.vars[k] = v;
   for (const auto& [k, v] : context.items) globals.vars[k] = v;
@@ -1657,9 +1724,34 @@ std::string Template::render(const DictData& context) const {
   Ctx c;
   c.frame = &root;
   c.root = &root;
+  c.limits = limits;
+  c.output_limit = limits.max_output_bytes;
+  if (limits.max_seconds > 0)
+    c.deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(limits.max_seconds));
+  if (limits.cancel && limits.cancel->load()) fail("template render cancelled");
+  struct Current {  // renders nest when a builtin renders (none does today); restore the outer one
+    Ctx* saved;
+    explicit Current(Ctx* c) : saved(g_render) { g_render = c; }
+    ~Current() { g_render = saved; }
+  } current(&c);
   std::string out;
   root_->exec(c, out);
   return out;
+}
+
+void charge_steps(int64_t n) {
+  if (g_render) g_render->tick(n);
+}
+
+void charge_string(size_t bytes) {
+  if (g_render) g_render->charge(bytes);
+}
+
+void check_string_size(size_t bytes) {
+  const size_t limit = g_render ? g_render->limits.max_string_bytes : Limits{}.max_string_bytes;
+  if (bytes > limit) fail("template render built a string of more than {} bytes", limit);
 }
 
 }  // namespace kestrel::text::jinja

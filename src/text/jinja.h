@@ -6,6 +6,8 @@
 // Output equals Python jinja2's for the same template and data; anything outside this subset is a
 // kestrel::Error at parse time (unknown tag, filter or test) or at render time (type errors, undefined calls).
 #pragma once
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -20,6 +22,18 @@ struct Options {
   bool keep_trailing_newline = false;
 };
 
+// What one render may spend. Every limit is enforced inside the interpreter, so a hostile template or context (a
+// chat template from a checkpoint, or chat_template_kwargs from a request) cannot run unbounded: exceeding one is
+// a kestrel::Error starting "template render".
+struct Limits {
+  int64_t max_steps = 10'000'000;  // nodes executed, loop iterations, calls (macros, filters, functions), items built
+  size_t max_output_bytes = size_t{64} << 20;  // the rendered text, and any block or macro output
+  size_t max_string_bytes = size_t{64} << 20;  // one string built by ~, +, *, a filter or method
+  size_t max_total_bytes = size_t{1} << 30;    // all strings built during the render together
+  double max_seconds = 30;                     // wall time; 0: none
+  const std::atomic<bool>* cancel = nullptr;   // set from another thread to stop the render
+};
+
 struct Node;
 
 class Template {
@@ -31,7 +45,7 @@ class Template {
   Template& operator=(Template&&) noexcept;
 
   // `context` maps names to values (messages, tools, add_generation_prompt, raise_exception, ...).
-  std::string render(const DictData& context) const;
+  std::string render(const DictData& context, const Limits& limits = {}) const;
 
  private:
   std::unique_ptr<Node> root_;

@@ -195,6 +195,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
       if (count < 0 || n < count) {
         out += repl;
         ++n;
+        check_string_size(out.size());
       }
       if (i < u.size()) utf8_append(out, u[i]);
     }
@@ -207,6 +208,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
     if (f == std::string::npos || (count >= 0 && n >= count)) break;
     out.append(s, pos, f - pos);
     out += repl;
+    check_string_size(out.size());
     pos = f + old.size();
     ++n;
   }
@@ -370,6 +372,7 @@ std::optional<Value> string_method(const Value& s, const std::string& name) {
            if (!e.is_string()) fail("join: sequence item must be str, got {}", e.type_name());
            if (!first) out += v.str();
            out += e.str();
+           check_string_size(out.size());
            first = false;
          }
          return Value(out);
@@ -731,6 +734,7 @@ const std::unordered_map<std::string, Filter>& filters() {
       for (const Value& e : iterate(v)) {
         if (!first) out += sep;
         out += (attr.is_none() ? e : attr_path(e, attr.to_str())).to_str();
+        check_string_size(out.size());
         first = false;
       }
       return Value(out);
@@ -876,7 +880,9 @@ const std::unordered_map<std::string, Filter>& filters() {
     };
     m["indent"] = [](const Value& v, CallArgs& a) {
       const Value w = a.get(0, "width", Value(int64_t{4}));
-      const std::string ind = w.is_string() ? w.str() : std::string(static_cast<size_t>(int_arg(w, "width")), ' ');
+      const int64_t width = w.is_string() ? 0 : int_arg(w, "width");
+      check_string_size(static_cast<size_t>(std::max<int64_t>(width, 0)));
+      const std::string ind = w.is_string() ? w.str() : std::string(static_cast<size_t>(std::max<int64_t>(width, 0)), ' ');
       const bool first = a.get(1, "first", Value(false)).truthy();
       const bool blank = a.get(2, "blank", Value(false)).truthy();
       const auto lines = py_splitlines(v.to_str() + "\n");
@@ -887,6 +893,7 @@ const std::unordered_map<std::string, Filter>& filters() {
           if (blank || !lines[i].empty()) rv += ind;
         }
         rv += lines[i];
+        check_string_size(rv.size());
       }
       return Value(first ? ind + rv : rv);
     };
@@ -1028,12 +1035,16 @@ DictData default_globals() {
             if (a.args.size() == 3) step = int_arg(a.args[2], "range");
           }
           if (step == 0) fail("range() arg 3 must not be zero");
-          const int64_t span = step > 0 ? stop - start : start - stop;
-          const int64_t count = span <= 0 ? 0 : (span + std::llabs(step) - 1) / std::llabs(step);
-          if (count > 10'000'000) fail("range too large ({} items)", count);
+          // In 128 bits: with int64 extremes (range(-2**63, 2**63-1)) the span and the last i + step overflow.
+          const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+          const __int128 mag = step > 0 ? static_cast<__int128>(step) : -static_cast<__int128>(step);
+          const __int128 count = span <= 0 ? 0 : (span + mag - 1) / mag;
+          if (count > 10'000'000) fail("range too large ({} items)", static_cast<double>(count));
+          charge_steps(1 + static_cast<int64_t>(count));  // each item is work for the loop that takes it
           std::vector<Value> out;
           out.reserve(static_cast<size_t>(count));
-          for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.emplace_back(i);
+          for (int64_t k = 0; k < static_cast<int64_t>(count); ++k)
+            out.emplace_back(static_cast<int64_t>(start + static_cast<__int128>(k) * step));
           return Value::list(std::move(out));
         }));
   g.set("dict", Value::function("dict", [](CallArgs& a) {

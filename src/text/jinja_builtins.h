@@ -11,6 +11,13 @@
 
 namespace kestrel::text::jinja {
 
+// The budget of the render running on this thread (jinja.h's Limits): builtins charge work and the strings they
+// build; both throw kestrel::Error once a limit is passed. No-ops outside a render.
+void charge_steps(int64_t n);
+void charge_string(size_t bytes);
+// Throws once a string being built passes the per-string limit (64 MiB outside a render).
+void check_string_size(size_t bytes);
+
 using Filter = std::function<Value(const Value&, CallArgs&)>;
 using Test = std::function<bool(const Value&, CallArgs&)>;
 

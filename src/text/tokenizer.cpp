@@ -271,6 +271,7 @@ struct Tokenizer::Impl {
   std::unordered_map<std::string, int32_t> by_text;
   // Ids whose decoded bytes differ from their vocabulary bytes (normalized added tokens).
   std::unordered_map<int32_t, std::string> decode_bytes;
+  size_t max_token_bytes = 1;  // the longest text one token stands for (vocabulary bytes or an added token's text)
 
   void encode_ordinary(std::string_view text, std::vector<int32_t>& out, PieceCache* cache) const;
   void encode_hf_segment(std::string_view text, bool parse_special, std::vector<int32_t>& out,
@@ -401,7 +402,15 @@ void Tokenizer::Impl::encode_hf_segment(std::string_view text, bool parse_specia
   });
 }
 
-Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  size_t m = 1;
+  for (size_t id = 0; id < impl_->known.size(); ++id)
+    if (impl_->known[id]) m = std::max(m, impl_->bpe.bytes_of(static_cast<int32_t>(id)).size());
+  for (const AddedToken& t : impl_->added) m = std::max({m, t.content.size(), t.pattern.size()});
+  impl_->max_token_bytes = m;
+}
+
+size_t Tokenizer::max_token_bytes() const { return impl_->max_token_bytes; }
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
@@ -624,11 +633,34 @@ std::string base64_decode(std::string_view s, size_t line) {
 
 }  // namespace
 
+// The largest token id a tokenizer may use: every id gets a slot in per-id tables, so an id far beyond the tokens a
+// file defines (a typo, or a hostile 1e9) would allocate gigabytes for nothing. Gaps of reserved ids are common
+// (tiktoken rank files with special tokens after a reserved range); twice the defined tokens plus 64K covers them.
+size_t id_table_limit(size_t defined) { return std::min<size_t>(2 * defined + 65536, size_t{1} << 24); }
+
+void check_id_range(int64_t max_id, size_t defined, const char* file) {
+  if (max_id >= 0 && static_cast<size_t>(max_id) >= id_table_limit(defined))
+    fail("{}: token id {} is far beyond the {} tokens the file defines (ids must stay below {})", file, max_id,
+         defined, id_table_limit(defined));
+}
+
 Tokenizer Tokenizer::from_hf_json(std::string_view tokenizer_json) {
+  // Field access on the wrong JSON type (a `model` that is a list, an id that is a string) throws nlohmann's
+  // exceptions: report them as the file's error.
+  try {
+    return from_hf_json_unchecked(tokenizer_json);
+  } catch (const json::exception& e) {
+    fail("tokenizer.json: unexpected structure: {}", e.what());
+  }
+}
+
+Tokenizer Tokenizer::from_hf_json_unchecked(std::string_view tokenizer_json) {
   const json j = parse_json(tokenizer_json, "tokenizer.json");
+  if (!j.is_object()) fail("tokenizer.json: the top level must be a JSON object");
   auto impl = std::make_unique<Impl>();
   impl->format = Format::hf_json;
   const json& model = j.at("model");
+  if (!model.is_object()) fail("tokenizer.json: 'model' must be an object, got a JSON {}", model.type_name());
   const std::string mtype = model.value("type", std::string("BPE"));
   if (mtype != "BPE") fail("tokenizer.json: model type '{}' is not supported (only BPE)", mtype);
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
@@ -648,9 +680,12 @@ Tokenizer Tokenizer::from_hf_json(std::string_view tokenizer_json) {
   const json& vocab = model.at("vocab");
   static const json no_added_tokens = json::array();
   const json& added_json = j.contains("added_tokens") ? j["added_tokens"] : no_added_tokens;
-  int32_t max_id = -1;
-  for (const auto& [k, v] : vocab.items()) max_id = std::max(max_id, v.get<int32_t>());
-  for (const json& a : added_json) max_id = std::max(max_id, a.at("id").get<int32_t>());
+  if (!vocab.is_object()) fail("tokenizer.json: 'model.vocab' must be an object, got a JSON {}", vocab.type_name());
+  if (!added_json.is_array()) fail("tokenizer.json: 'added_tokens' must be a list");
+  int64_t max_id = -1;
+  for (const auto& [k, v] : vocab.items()) max_id = std::max<int64_t>(max_id, v.get<int64_t>());
+  for (const json& a : added_json) max_id = std::max<int64_t>(max_id, a.at("id").get<int64_t>());
+  check_id_range(max_id, vocab.size() + added_json.size(), "tokenizer.json");
   const size_t n = static_cast<size_t>(max_id + 1);
   std::vector<std::string> bytes(n);
   impl->known.assign(n, 0);
@@ -716,6 +751,14 @@ Tokenizer Tokenizer::from_hf_json(std::string_view tokenizer_json) {
 }
 
 Tokenizer Tokenizer::from_tiktoken(std::string_view rank_file, std::string_view config_json) {
+  try {
+    return from_tiktoken_unchecked(rank_file, config_json);
+  } catch (const json::exception& e) {
+    fail("tokenizer_config.json: unexpected structure: {}", e.what());
+  }
+}
+
+Tokenizer Tokenizer::from_tiktoken_unchecked(std::string_view rank_file, std::string_view config_json) {
   auto impl = std::make_unique<Impl>();
   impl->format = Format::tiktoken;
   std::vector<std::pair<std::string, int32_t>> ranks;
@@ -752,6 +795,7 @@ Tokenizer Tokenizer::from_tiktoken(std::string_view rank_file, std::string_view 
       } catch (const std::exception&) {
         fail("tokenizer_config.json: added_tokens_decoder key '{}' is not an id", k);
       }
+      if (t.id < 0) fail("tokenizer_config.json: added_tokens_decoder id {} is negative", t.id);
       t.content = v.at("content").get<std::string>();
       t.pattern = t.content;
       t.special = true;
@@ -762,6 +806,7 @@ Tokenizer Tokenizer::from_tiktoken(std::string_view rank_file, std::string_view 
   const std::string pattern = cfg.value("pat_str", std::string(kKimiPattern));
   impl->tiktoken_pattern = std::make_unique<Regex>(pattern);
 
+  check_id_range(max_id, ranks.size() + impl->added.size(), "tiktoken.model / tokenizer_config.json");
   const size_t n = static_cast<size_t>(max_id + 1);
   std::vector<std::string> bytes(n);
   impl->known.assign(n, 0);

@@ -55,8 +55,13 @@ class Tokenizer {
   std::optional<int32_t> token_to_id(std::string_view token) const;
   // One past the largest id.
   int32_t id_count() const;
+  // The most bytes of text one token stands for: a text of B bytes encodes to at least B / max_token_bytes() tokens
+  // (before normalizers), which bounds a prompt's length before it is tokenised.
+  size_t max_token_bytes() const;
 
  private:
+  static Tokenizer from_hf_json_unchecked(std::string_view tokenizer_json);
+  static Tokenizer from_tiktoken_unchecked(std::string_view rank_file, std::string_view config_json);
   struct Impl;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -187,6 +187,11 @@ TEST(BrokenConfig, ErrorsNameTheField) {
       {[](auto& j) { j["num_experts_per_token"] = 99; }, "experts per token"},
       {[](auto& j) { j["index_head_dim"] = 48; }, "index_head_dim"},
       {[](auto& j) { j["architectures"] = {"DeepseekV32ForCausalLM"}; }, "architectures"},
+      // Issue 21: refused before per-layer tables are allocated (this used 8 GB before it failed).
+      {[](auto& j) { j["num_hidden_layers"] = 1000000000; }, "'num_hidden_layers' is too large (1000000000; at most 1024)"},
+      {[](auto& j) { j["vocab_size"] = int64_t{1} << 40; }, "'vocab_size' is too large"},
+      {[](auto& j) { j["num_experts"] = 1000000000; }, "'num_experts' is too large"},
+      {[](auto& j) { j["linear_attn_config"]["num_heads"] = 1000000000; }, "linear_attn_config.num_heads' is too large"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = copy_of_tiny("config" + std::to_string(i));

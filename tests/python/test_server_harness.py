@@ -154,7 +154,7 @@ class Server:
     def __init__(self, model_dir, *args, name="tiny"):
         self.name = name
         cmd = [kestrel_bin(), "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-               "--served-model-name", name, *map(str, args)]
+               *(["--served-model-name", name] if name else []), *map(str, args)]
         # The client shares the CPU (2 cores in CI): OpenMP barriers of a multi-threaded engine step then wait for
         # time slices, and the tiny models gain nothing from threads.
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("KESTREL_SERVER_OMP_THREADS", "1")}

@@ -1,6 +1,9 @@
 // Hand-worked tests of the Jinja interpreter and the chat-template environment. (Equality with Python jinja2 on
 // many templates and message lists is checked by tests/python/test_text_template.py.)
+#include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -128,6 +131,141 @@ TEST(ChatTemplate, TransformersEnvironment) {
     EXPECT_NE(std::string(e.what()).find("chat template raised an exception: bad role robot"), std::string::npos);
   }
   EXPECT_THROW(t.render(ordered_json::object(), nullptr, false), Error);
+}
+
+// ---- Issue 21: total budgets enforced inside the renderer ----
+
+std::string limited_error(const std::string& src, const jinja::Limits& limits) {
+  try {
+    jinja::Template(src).render({}, limits);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(JinjaBudget, MacroCallsCountAsSteps) {
+  // Two self-calls per level, 40 levels deep: 2^40 calls. Only `for` iterations were counted before.
+  const std::string src =
+      "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}";
+  jinja::Limits l;
+  l.max_steps = 100'000;
+  EXPECT_NE(limited_error(src, l).find("exceeded its budget of 100000 steps"), std::string::npos);
+  // The same macro over few levels renders.
+  EXPECT_EQ(jinja::Template("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% else %}x{% endif %}"
+                            "{% endmacro %}{{ f(3) }}")
+                .render({}, l),
+            "xxxxxxxx");
+}
+
+TEST(JinjaBudget, StringRepetitionIsSizedFirst) {
+  // '' * huge looped once per unit before; it is empty at once now, as in Python.
+  EXPECT_EQ(jinja::Template("[{{ '' * 4611686018427387904 }}]").render({}), "[]");
+  EXPECT_NE(limited_error("{{ 'ab' * 4611686018427387904 }}", {}).find("over the limit"), std::string::npos);
+  EXPECT_NE(limited_error("{{ [1, 2] * 4611686018427387904 }}", {}).find("over the limit"), std::string::npos);
+  jinja::Limits l;
+  l.max_string_bytes = 1000;
+  EXPECT_NE(limited_error("{{ 'ab' * 501 }}", l).find("over the limit of 1000"), std::string::npos);
+  EXPECT_EQ(jinja::Template("{{ ('ab' * 500) | length }}").render({}, l), "1000");
+}
+
+TEST(JinjaBudget, IntermediateStringsAreCapped) {
+  // A doubling loop: each `~` and `+` result is charged before it is built.
+  const std::string tilde = "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                            "{% endfor %}{{ ns.s | length }}";
+  const std::string plus = "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                           "{% endfor %}{{ ns.s | length }}";
+  jinja::Limits l;
+  l.max_string_bytes = 1 << 20;
+  EXPECT_NE(limited_error(tilde, l).find("built a string of 2097152 bytes (the limit is 1048576)"),
+            std::string::npos);
+  EXPECT_NE(limited_error(plus, l).find("built a string of 2097152 bytes"), std::string::npos);
+  // The total over all strings: 4000 strings of 1000 bytes each pass the per-string cap but not a 1 MB total.
+  jinja::Limits t;
+  t.max_total_bytes = 1'000'000;
+  EXPECT_NE(limited_error("{% for i in range(4000) %}{% set s = 'a' * 500 ~ 'b' * 500 %}{% endfor %}", t)
+                .find("more than 1000000 bytes of strings in all"),
+            std::string::npos);
+  // Filters that build strings are capped while they build (replace with an empty pattern inserts everywhere).
+  EXPECT_NE(limited_error("{{ ('a' * 2000) | replace('', 'b' * 1000) }}", l).find("more than 1048576 bytes"),
+            std::string::npos);
+  EXPECT_NE(limited_error("{{ 'x' | indent(100000000000) }}", l).find("more than 1048576 bytes"), std::string::npos);
+  // Lists too: a doubling loop of `l + l` stops at a million items.
+  EXPECT_NE(limited_error("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}"
+                          "{% endfor %}",
+                          {})
+                .find("built a list of 1048576 items (the limit is 1000000)"),
+            std::string::npos);
+}
+
+TEST(JinjaBudget, OutputIsCapped) {
+  jinja::Limits l;
+  l.max_output_bytes = 10'000;
+  EXPECT_NE(limited_error("{% for i in range(100000) %}0123456789{% endfor %}", l).find("output exceeds 10000 bytes"),
+            std::string::npos);
+}
+
+TEST(JinjaBudget, RangeWithInt64Extremes) {
+  // The span overflowed int64 and wrapped under the item cap before.
+  EXPECT_NE(limited_error("{{ range(-9223372036854775807 - 1, 9223372036854775807) | length }}", {})
+                .find("range too large"),
+            std::string::npos);
+  EXPECT_NE(limited_error("{{ range(9223372036854775807, -9223372036854775807 - 1, -1) | length }}", {})
+                .find("range too large"),
+            std::string::npos);
+  EXPECT_NE(limited_error("{{ range(0, 9223372036854775807, 2) | length }}", {}).find("range too large"),
+            std::string::npos);
+  // Near the extremes, small ranges are exact and do not overflow on the last step.
+  EXPECT_EQ(jinja::Template("{{ range(9223372036854775805, 9223372036854775807) | list }}").render({}),
+            "[9223372036854775805, 9223372036854775806]");
+  EXPECT_EQ(jinja::Template("{{ range(-9223372036854775807 - 1, -9223372036854775807 + 1) | list }}").render({}),
+            "[-9223372036854775808, -9223372036854775807]");
+  EXPECT_EQ(jinja::Template("{{ range(5, 0, -2) | list }}").render({}), "[5, 3, 1]");
+}
+
+TEST(JinjaBudget, NestedLoopsStopAtTheStepBudget) {
+  jinja::Limits l;
+  l.max_steps = 1'000'000;
+  EXPECT_NE(limited_error("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", l)
+                .find("exceeded its budget of 1000000 steps"),
+            std::string::npos);
+}
+
+TEST(JinjaBudget, WallTimeAndCancellation) {
+  // A render that would run for minutes within its step budget stops at its time budget.
+  const std::string slow = "{% for i in range(1000000) %}{% set s = 'x' * 40000 %}{% endfor %}";
+  jinja::Limits l;
+  l.max_steps = int64_t{1} << 60;
+  l.max_total_bytes = size_t{1} << 62;
+  l.max_seconds = 0.2;
+  EXPECT_NE(limited_error(slow, l).find("exceeded its time budget"), std::string::npos);
+  // A flag set before (or during) the render stops it.
+  std::atomic<bool> cancel{true};
+  jinja::Limits c;
+  c.cancel = &cancel;
+  EXPECT_NE(limited_error("{{ 1 }}", c).find("template render cancelled"), std::string::npos);
+  std::atomic<bool> later{false};
+  c.cancel = &later;
+  c.max_seconds = 0;
+  c.max_steps = int64_t{1} << 60;
+  c.max_total_bytes = size_t{1} << 62;
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    later = true;
+  });
+  EXPECT_NE(limited_error(slow + slow + slow, c).find("template render cancelled"), std::string::npos);
+  setter.join();
+}
+
+TEST(JinjaBudget, ChatTemplatePassesLimits) {
+  const text::ChatTemplate t("{% for m in messages %}{% for i in range(1000) %}{{ m.content }}{% endfor %}{% endfor %}");
+  jinja::Limits l;
+  l.max_steps = 5000;
+  const ordered_json msgs = ordered_json::parse(R"([{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+    {"role": "user", "content": "c"}, {"role": "user", "content": "d"}, {"role": "user", "content": "e"},
+    {"role": "user", "content": "f"}])");
+  EXPECT_THROW(t.render(msgs, nullptr, false, nullptr, l), Error);
+  EXPECT_EQ(t.render(ordered_json::array({msgs[0]}), nullptr, false, nullptr, l).size(), 1000u);
 }
 
 }  // namespace

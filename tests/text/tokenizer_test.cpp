@@ -198,6 +198,61 @@ TEST(HfTokenizer, ErrorsAreClear) {
   EXPECT_THROW(Tokenizer::from_hf_json("{not json"), Error);
 }
 
+// Issue 21: structure of the wrong JSON type was an uncaught nlohmann exception (SIGABRT in serve/generate), and an
+// added token id of 1e9 a bad_alloc; both are now kestrel::Error naming the problem.
+std::string error_of(const std::string& tokenizer_json) {
+  try {
+    Tokenizer::from_hf_json(tokenizer_json);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(HfTokenizer, WrongJsonTypesAndHugeIdsAreErrors) {
+  const json pre = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
+  json array_model = byte_level_tokenizer({}, pre);
+  array_model["model"] = json::array({1, 2});
+  EXPECT_NE(error_of(array_model.dump()).find("'model' must be an object"), std::string::npos);
+  json string_vocab = byte_level_tokenizer({}, pre);
+  string_vocab["model"]["vocab"]["!"] = "zero";
+  EXPECT_NE(error_of(string_vocab.dump()).find("tokenizer.json: unexpected structure"), std::string::npos);
+  json added_string = byte_level_tokenizer({}, pre);
+  added_string["added_tokens"][0]["content"] = json::array();
+  EXPECT_NE(error_of(added_string.dump()).find("tokenizer.json"), std::string::npos);
+  EXPECT_NE(error_of("[1, 2]").find("top level must be a JSON object"), std::string::npos);
+
+  json huge = byte_level_tokenizer({}, pre);
+  huge["added_tokens"][0]["id"] = 1000000000;
+  const std::string e = error_of(huge.dump());
+  EXPECT_NE(e.find("token id 1000000000 is far beyond the 257 tokens"), std::string::npos) << e;
+  huge["added_tokens"][0]["id"] = int64_t{1} << 40;  // beyond int32: not wrapped into range
+  EXPECT_NE(error_of(huge.dump()).find("far beyond"), std::string::npos);
+  // A gap of reserved ids of ordinary size still loads.
+  json gap = byte_level_tokenizer({}, pre);
+  gap["added_tokens"][0]["id"] = 5000;
+  EXPECT_EQ(Tokenizer::from_hf_json(gap.dump()).id_count(), 5001);
+}
+
+TEST(Tiktoken, HugeSpecialIdIsAnError) {
+  std::string ranks;
+  for (int b = 0; b < 256; ++b) {
+    static const char* t = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    ranks += std::string{t[b >> 2], t[(b & 3) << 4], '=', '='} + " " + std::to_string(b) + "\n";
+  }
+  const json cfg = {{"added_tokens_decoder", {{"999999999", {{"content", "<|x|>"}}}}}};
+  try {
+    Tokenizer::from_tiktoken(ranks, cfg.dump());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("far beyond"), std::string::npos) << e.what();
+  }
+  const json neg = {{"added_tokens_decoder", {{"-3", {{"content", "<|x|>"}}}}}};
+  EXPECT_THROW(Tokenizer::from_tiktoken(ranks, neg.dump()), Error);
+  const json wrong = {{"added_tokens_decoder", {{"300", {{"content", 7}}}}}};
+  EXPECT_THROW(Tokenizer::from_tiktoken(ranks, wrong.dump()), Error);
+}
+
 std::string b64(const std::string& s) {
   static const char* t = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;
