@@ -262,6 +262,55 @@ INSTANTIATE_TEST_SUITE_P(Tiny, SpecPressure,
                                   kind_name(std::get<1>(info.param));
                          });
 
+// n > 1 completions fork from the prompt's rows and then verify drafts each with its own state slots; a scoring
+// request (prompt log-probabilities) and a request with kept logits (which never drafts) share the steps.
+TEST(SpecMixed, ForksScoringAndKeptLogitsAlongside) {
+  const Model& m = tiny_model(Arch::kimi_k3);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  const std::vector<std::vector<int32_t>> prompts = test_prompts();
+  auto run = [&](const EngineConfig& c, EngineStats* st) {
+    Engine e(m, c);
+    SamplingParams two = greedy_with_logprobs(20);
+    two.n = 2;
+    e.add_request(prompts[0], two);
+    SamplingParams scored = greedy_with_logprobs(20);
+    scored.prompt_logprobs = 2;
+    e.add_request(prompts[1], scored);
+    e.add_request(prompts[2], greedy_with_logprobs(20), 0, /*keep_logits=*/true);
+    std::vector<RequestOutput> out = run_checked(e);
+    EXPECT_EQ(e.cache().pool().num_referenced(), 0);
+    *st = e.stats();
+    return out;
+  };
+  EngineStats plain_stats, spec_stats;
+  const std::vector<RequestOutput> plain = run(cfg, &plain_stats);
+  std::map<std::vector<int32_t>, std::vector<int32_t>> refs;
+  for (const RequestOutput& r : plain) refs[r.prompt] = r.completions.at(0).token_ids;
+  EngineConfig sc = cfg;
+  sc.speculative = ngram_config();
+  sc.drafter = std::make_shared<OracleDrafter>(refs, kK, false);
+  const std::vector<RequestOutput> spec = run(sc, &spec_stats);
+  EXPECT_GT(spec_stats.spec.num_accepted_tokens, 0);
+  ASSERT_EQ(spec.size(), plain.size());
+  for (size_t i = 0; i < spec.size(); ++i) {
+    ASSERT_EQ(spec[i].completions.size(), plain[i].completions.size());
+    for (size_t c = 0; c < spec[i].completions.size(); ++c) {
+      const Completion &a = spec[i].completions[c], &b = plain[i].completions[c];
+      EXPECT_EQ(a.token_ids, b.token_ids) << "request " << i << " completion " << c;
+      ASSERT_EQ(a.logprobs.size(), b.logprobs.size());
+      for (size_t j = 0; j < a.logprobs.size(); ++j)
+        EXPECT_EQ(std::memcmp(&a.logprobs[j].logprob, &b.logprobs[j].logprob, sizeof(float)), 0);
+      EXPECT_TRUE(test::same_bits(a.logits, b.logits));
+    }
+    ASSERT_EQ(spec[i].prompt_logprobs.size(), plain[i].prompt_logprobs.size());
+    for (size_t j = 0; j < spec[i].prompt_logprobs.size(); ++j)
+      EXPECT_EQ(spec[i].prompt_logprobs[j].logprob, plain[i].prompt_logprobs[j].logprob);
+  }
+  EXPECT_EQ(spec[0].completions.size(), 2u);
+  EXPECT_FALSE(spec[2].completions.at(0).logits.empty());
+}
+
 // Synthetic acceptance (a benchmark option) keeps drafts at the configured rates whatever the target says.
 TEST(SpecSynthetic, ForcedAcceptanceRates) {
   const Model& m = tiny_model(Arch::kimi_linear);
