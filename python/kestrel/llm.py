@@ -26,7 +26,8 @@ _NOT_YET = {
     "enable_sleep_mode": (False, "sleep mode (releasing and restoring the GPU's weights and cache) is not "
                                  "implemented yet"),
     "quantization": (None, "on-the-fly quantization is not implemented (FP8 / MXFP4 checkpoints load as they are)"),
-    "speculative_config": (None, "speculative decoding is not implemented yet"),
+    "speculative_config": (None, "speculative decoding is not in the Python API yet (kestrel generate / serve "
+                                 "--speculative-config run it on the CPU)"),
     "cpu_offload_gb": (0, "CPU offload of weights is not implemented"),
 }
 # vLLM arguments that have no effect here (what they control is fixed or does not exist in Kestrel).

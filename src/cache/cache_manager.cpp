@@ -66,9 +66,19 @@ bool CacheManager::grow(SequenceRows& rows, int64_t end) {
 void CacheManager::release(SequenceRows& rows) {
   for (int32_t r : rows.token_rows) pool_.unref(r);
   for (int32_t r : rows.state_rows) pool_.unref(r);
+  for (int32_t r : rows.spec_rows) pool_.unref(r);
   rows.token_rows.clear();
   rows.state_rows.clear();
+  rows.spec_rows.clear();
   rows.named_blocks = 0;
+}
+
+int CacheManager::reserve_spec_slots(SequenceRows& rows, int slots) {
+  const int G = plan_.state_rows_per_request;
+  if (G == 0) return slots;
+  while (static_cast<int>(rows.spec_rows.size()) < slots * G && take(G, rows.spec_rows)) {
+  }
+  return std::min(slots, static_cast<int>(rows.spec_rows.size()) / G);
 }
 
 void CacheManager::unpin(std::span<const int32_t> pins) {
@@ -133,6 +143,7 @@ void CacheManager::check_accounting(std::span<const SequenceRows* const> live, s
   for (const SequenceRows* s : live) {
     for (int32_t r : s->token_rows) ++expected[r];
     for (int32_t r : s->state_rows) ++expected[r];
+    for (int32_t r : s->spec_rows) ++expected[r];
   }
   for (int32_t r : pins) ++expected[r];
   for (int32_t r = 0; r < pool_.num_rows(); ++r)

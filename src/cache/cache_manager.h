@@ -18,6 +18,9 @@ struct SequenceRows {
   std::vector<int32_t> state_rows;  // its KDA state rows; empty while it is not admitted
   std::vector<uint64_t> hashes;     // chain hashes of its first full blocks, as far as computed
   int64_t named_blocks = 0;         // blocks [0, named_blocks) are named in the prefix cache or never will be
+  // Speculative decoding: per-position KDA state slots, slot j in [j * G, (j + 1) * G) for G state rows per
+  // request; a verification step leaves the state after its (j + 1)-th token in slot j (engine/spec_decode.h).
+  std::vector<int32_t> spec_rows;
 };
 
 // A row copy for the model runner to do before a step's forward: dst = src, or dst = zeros when src < 0.
@@ -58,6 +61,9 @@ class CacheManager {
   // Gives every row back (a finished, aborted or preempted sequence).
   void release(SequenceRows& rows);
   void unpin(std::span<const int32_t> pins);
+  // Speculative decoding: makes the sequence hold (at least) `slots` per-position state slots, taking rows nobody
+  // holds (never preempting); returns how many it holds, at most `slots` counted (all of them without KDA state).
+  int reserve_spec_slots(SequenceRows& rows, int slots);
 
   // Names the sequence's full blocks [named_blocks, upto) in the prefix cache (its tokens must be computed).
   void name_blocks(SequenceRows& rows, std::span<const int32_t> tokens, int64_t upto, uint64_t extra_key);

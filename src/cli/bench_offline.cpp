@@ -79,6 +79,27 @@ void write_json(const std::string& path, const nlohmann::ordered_json& j) {
   std::fprintf(stderr, "[kestrel] wrote %s\n", path.c_str());
 }
 
+// With --speculative-config: vLLM's acceptance figures, printed and in the JSON (mean acceptance length = 1 +
+// accepted / drafts, the target's own token included; the per-position rate = accepted at it / drafts).
+void add_spec_stats(const Engine& engine, nlohmann::ordered_json& j) {
+  const SpecDecodeCounters s = engine.stats().spec;
+  if (s.accepted_per_pos.empty()) return;
+  const double rate = s.num_draft_tokens ? static_cast<double>(s.num_accepted_tokens) / s.num_draft_tokens : 0.0;
+  std::vector<double> per_pos;
+  for (int64_t n : s.accepted_per_pos) per_pos.push_back(s.num_drafts ? static_cast<double>(n) / s.num_drafts : 0.0);
+  std::printf("Mean acceptance length: %.2f\n", s.mean_acceptance_length());
+  std::printf("Draft acceptance rate: %.3f (%lld of %lld draft tokens, %lld drafts)\n", rate,
+              static_cast<long long>(s.num_accepted_tokens), static_cast<long long>(s.num_draft_tokens),
+              static_cast<long long>(s.num_drafts));
+  j["spec_decode"] = {{"num_drafts", s.num_drafts},
+                      {"num_draft_tokens", s.num_draft_tokens},
+                      {"num_accepted_tokens", s.num_accepted_tokens},
+                      {"num_accepted_tokens_per_pos", s.accepted_per_pos},
+                      {"mean_acceptance_length", s.mean_acceptance_length()},
+                      {"draft_acceptance_rate", rate},
+                      {"acceptance_rate_per_pos", per_pos}};
+}
+
 int run_latency(const OfflineArgs& a) {
   KESTREL_CHECK(a.batch_size >= 1, "--batch-size must be >= 1");
   KESTREL_CHECK(a.num_iters >= 1, "--num-iters must be >= 1");
@@ -113,7 +134,9 @@ int run_latency(const OfflineArgs& a) {
     pct[std::to_string(p)] = v;
     std::printf("%d%% percentile latency: %s seconds\n", p, fmt::format("{}", v).c_str());
   }
-  write_json(a.output_json, {{"avg_latency", avg}, {"latencies", latencies}, {"percentiles", pct}});
+  nlohmann::ordered_json result = {{"avg_latency", avg}, {"latencies", latencies}, {"percentiles", pct}};
+  add_spec_stats(*b.engine, result);
+  write_json(a.output_json, result);
   return 0;
 }
 
@@ -140,14 +163,16 @@ int run_throughput(const OfflineArgs& a) {
               static_cast<double>(total_tokens) / elapsed, static_cast<double>(output_tokens) / elapsed);
   std::printf("Total num prompt tokens:  %lld\n", static_cast<long long>(prompt_tokens));
   std::printf("Total num output tokens:  %lld\n", static_cast<long long>(output_tokens));
-  write_json(a.output_json, {{"elapsed_time", elapsed},
+  nlohmann::ordered_json result = {{"elapsed_time", elapsed},
                              {"num_requests", outputs.size()},
                              {"total_num_tokens", total_tokens},
                              {"total_num_prompt_tokens", prompt_tokens},
                              {"total_num_output_tokens", output_tokens},
                              {"requests_per_second", requests / elapsed},
                              {"tokens_per_second", static_cast<double>(total_tokens) / elapsed},
-                             {"output_tokens_per_second", static_cast<double>(output_tokens) / elapsed}});
+                             {"output_tokens_per_second", static_cast<double>(output_tokens) / elapsed}};
+  add_spec_stats(*b.engine, result);
+  write_json(a.output_json, result);
   return 0;
 }
 

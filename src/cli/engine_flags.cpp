@@ -26,6 +26,7 @@ EngineConfig EngineFlags::engine_config() const {
   EngineConfig e = engine;
   e.cache_bytes = cache_mib << 20;
   e.enable_prefix_caching = !no_prefix_caching;
+  if (!speculative_config.empty()) e.speculative = parse_speculative_config(speculative_config);
   return e;
 }
 
@@ -61,6 +62,9 @@ void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
   cmd.add_option("--device", f.device, "auto | cuda | cpu")->capture_default_str();
   cmd.add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
                  "fraction of the GPU's memory for weights, workspaces and cache (default 0.9; GPU only)");
+  cmd.add_option("--speculative-config", f.speculative_config,
+                 "speculative decoding, JSON as vLLM's: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+                 "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M} (CPU)");
   add_load_flags(cmd, f.load);
 }
 

@@ -18,6 +18,7 @@ struct EngineFlags {
   int64_t cache_mib = 256;
   bool no_prefix_caching = false;
   std::string device = "auto";
+  std::string speculative_config;  // --speculative-config JSON (engine/spec_decode.h)
   double gpu_memory_utilization = 0;
   LoadFlags load;
 

@@ -14,6 +14,7 @@
 #include "cli/device.h"
 #include "cli/load_flags.h"
 #include "core/error.h"
+#include "engine/spec_decode.h"
 #include "server/serve.h"
 
 namespace kestrel::cli {
@@ -116,10 +117,16 @@ int run_serve(ServeArgs& a) {
                                   "the server yet (it runs on simulated ranks only)",
                                   a.decode_context_parallel_size));
   if (!a.speculative_config.empty()) {
-    const auto spec = nlohmann::json::parse(a.speculative_config, nullptr, false);
-    if (spec.is_discarded() || !spec.is_object()) fail("--speculative-config must be a JSON object");
-    refused.push_back(fmt::format("--speculative-config: speculative decoding (method '{}') is not built yet",
-                                  spec.value("method", "?")));
+    // Bad JSON, an unknown field or a bad value is an error naming the field; a method or device not built yet is
+    // refused with the rest.
+    SpeculativeConfig spec = parse_speculative_config(a.speculative_config);
+    if (spec.method != "ngram")
+      refused.push_back(fmt::format("--speculative-config: method '{}' is not built yet (method ngram is)",
+                                    spec.method));
+    else if (device == "cuda")
+      refused.push_back("--speculative-config: speculative decoding is not supported with --device cuda yet (it runs "
+                        "on the CPU reference: --device cpu)");
+    o.engine.speculative = std::move(spec);
   }
   if (a.batch_invariant && device == "cuda")
     refused.push_back("--batch-invariant: the GPU's kernels are not batch-invariant yet (cuBLASLt chooses algorithms "
@@ -206,7 +213,9 @@ Runner add_serve(CLI::App& app) {
   cmd->add_option("--tool-call-parser", o.tool_call_parser, "kimi_k3 | deepseek_v32");
   cmd->add_option("--reasoning-parser", o.reasoning_parser, "kimi_k3 | deepseek_v32");
   cmd->add_option("--chat-template", o.chat_template, "Jinja chat template file (default: the checkpoint's)");
-  cmd->add_option("--speculative-config", a->speculative_config, "speculative decoding, JSON");
+  cmd->add_option("--speculative-config", a->speculative_config,
+                  "speculative decoding, JSON as vLLM's: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+                  "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M} (CPU)");
   add_load_flags(*cmd, a->load);
   cmd->add_flag("--trust-remote-code", a->trust_remote_code, "accepted for vLLM compatibility (no effect)");
   auto* seed = cmd->add_option("--seed", a->seed, "seeds the sampling of requests that give no seed");

@@ -42,7 +42,7 @@ void KdaCore::forward(const float* qkv, const float* f, const float* beta_logit,
   const int64_t P = int64_t{H} * dk, n = T * P, state_size = P * dk;
   for (size_t c = 0; c < checkpoints.size(); ++c)
     KESTREL_CHECK(checkpoints[c].position > pos0 && checkpoints[c].position <= pos0 + T &&
-                      (c == 0 || checkpoints[c].position > checkpoints[c - 1].position),
+                      (c == 0 || checkpoints[c].position >= checkpoints[c - 1].position),
                   "KDA checkpoint at {} is not inside the step ({}, {}] in ascending order", checkpoints[c].position,
                   pos0, pos0 + T);
 

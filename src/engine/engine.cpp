@@ -75,7 +75,44 @@ Engine::Engine(const Model& model, const EngineConfig& cfg)
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
                                  cfg.checkpoint_interval},
                  cache_),
-      runner_(cfg.executor ? cfg.executor(model, cache_) : std::make_unique<ModelRunner>(model, cache_)) {}
+      runner_(cfg.executor ? cfg.executor(model, cache_) : std::make_unique<ModelRunner>(model, cache_)) {
+  if (cfg_.speculative) {
+    validate_speculative_config(*cfg_.speculative);
+    drafter_ = cfg_.drafter ? cfg_.drafter : make_drafter(*cfg_.speculative);
+    stats_.spec.accepted_per_pos.assign(static_cast<size_t>(cfg_.speculative->num_speculative_tokens), 0);
+  } else {
+    KESTREL_CHECK(!cfg_.drafter, "a drafter without a speculative config (num_speculative_tokens)");
+  }
+}
+
+void Engine::propose_drafts() {
+  const int64_t V = model_.config().vocab_size;
+  const int k = cfg_.speculative->num_speculative_tokens;
+  for (Sequence* s : scheduler_.running()) {
+    const int64_t L = static_cast<int64_t>(s->tokens.size());
+    // Only a sequence that decodes next (its last token sampled, everything before it computed) drafts; one that
+    // keeps its logits or follows a grammar decodes one token at a time.
+    if (s->num_draft != 0 || s->num_computed != L - 1 || L <= s->prompt_len) continue;
+    const Request& r = *s->request;
+    if (r.keep_logits || s->constraint) continue;
+    const int most = std::min<int64_t>(k, r.params.max_tokens - s->num_generated() - 1);
+    if (most <= 0) continue;
+    draft_.tokens.clear();
+    draft_.probs.clear();
+    drafter_->propose(*s, most, V, draft_);
+    const int m = static_cast<int>(std::min<size_t>(draft_.tokens.size(), static_cast<size_t>(most)));
+    if (m == 0) continue;
+    KESTREL_CHECK(draft_.probs.empty() || static_cast<int64_t>(draft_.probs.size()) >= m * V,
+                  "a drafter gave {} draft probabilities for {} drafts of vocabulary {}", draft_.probs.size(), m, V);
+    for (int i = 0; i < m; ++i)
+      KESTREL_CHECK(draft_.tokens[i] >= 0 && draft_.tokens[i] < V, "draft token {} is outside the vocabulary (0..{})",
+                    draft_.tokens[i], V - 1);
+    s->tokens.insert(s->tokens.end(), draft_.tokens.begin(), draft_.tokens.begin() + m);
+    s->num_draft = m;
+    if (!draft_.probs.empty()) s->draft_probs.assign(draft_.probs.begin(), draft_.probs.begin() + m * V);
+    else s->draft_probs.clear();
+  }
+}
 
 RequestId Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& params, int priority,
                               bool keep_logits, uint64_t cache_key) {
@@ -198,6 +235,7 @@ bool Engine::samples_on_executor(const StepPlan& plan) const {
     // Prompt log-probabilities are taken on the host, from the logits (token_logprob); a request that only scores
     // ends there too.
     if (s.request->keep_logits || s.scored_until < s.prompt_len || s.request->params.max_tokens == 0) return false;
+    if (x.num_draft > 0) return false;  // verification runs on the host, over every position's logits
     if (x.start + x.count < static_cast<int64_t>(s.tokens.size())) continue;  // samples nothing this step
     if (s.index == 0 && !s.request->forked && s.request->params.n > 1) return false;
     if (!runner_->samples(s.request->params)) return false;
@@ -210,7 +248,8 @@ bool Engine::samples_on_executor(const StepPlan& plan) const {
 
 StepOutput Engine::step() {
   StepOutput out;
-  const StepPlan plan = scheduler_.schedule();
+  if (drafter_) propose_drafts();
+  StepPlan plan = scheduler_.schedule();
   KESTREL_CHECK(!plan.seqs.empty() || scheduler_.idle(),
                 "no sequence could be scheduled although {} wait and {} run", scheduler_.num_waiting(),
                 scheduler_.num_running());
@@ -247,14 +286,48 @@ StepOutput Engine::step() {
     return finish_step(plan, touched, std::move(out));
   }
   const std::vector<float>& logits = runner_->execute(plan);
-  scheduler_.commit(plan);
   const int64_t V = model_.config().vocab_size;
+  // Verification first: it decides how many of a sequence's positions the commit keeps.
+  std::vector<VerifyResult> verified(plan.seqs.size());
+  {
+    int64_t row = 0;
+    for (size_t i = 0; i < plan.seqs.size(); ++i) {
+      ScheduledSequence& x = plan.seqs[i];
+      const float* first = logits.data() + row * V;
+      row += x.count - x.logits_from;
+      if (x.num_draft == 0) continue;
+      Sequence& s = *x.seq;
+      const SpeculativeConfig& sc = *cfg_.speculative;
+      const VerifyOptions opt{sc.rejection_sample_method == "synthetic", sc.synthetic_acceptance_rates};
+      verified[i] = verify_draft(s.sampler, first, V, std::span(s.tokens).subspan(x.start + 1, x.num_draft),
+                                 s.draft_probs, s.request->params.logprobs >= 0, opt);
+      const int a = verified[i].accepted;
+      x.rejected = x.num_draft - a;
+      ++stats_.spec.num_drafts;
+      stats_.spec.num_draft_tokens += x.num_draft;
+      stats_.spec.num_accepted_tokens += a;
+      for (int j = 0; j < a; ++j) ++stats_.spec.accepted_per_pos[static_cast<size_t>(j)];
+    }
+  }
+  scheduler_.commit(plan);
   int64_t row = 0;
-  for (const ScheduledSequence& x : plan.seqs) {
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const ScheduledSequence& x = plan.seqs[i];
     Sequence& s = *x.seq;
     const int64_t rows = x.count - x.logits_from;
     const float* first = logits.data() + row * V;
     row += rows;
+    if (x.num_draft > 0) {
+      // The kept drafts and the target's own token, in order, each checked for the end as if sampled alone.
+      touched.push_back(s.request->id);
+      s.tokens.resize(static_cast<size_t>(x.start + 1));
+      s.num_draft = 0;
+      s.draft_probs.clear();
+      VerifyResult& v = verified[i];
+      for (size_t j = 0; j < v.tokens.size() && s.status != Sequence::Status::finished; ++j)
+        record(s, v.tokens[j], v.logprobs.empty() ? nullptr : &v.logprobs[j], out);
+      continue;
+    }
     if (s.request->keep_logits && rows > 0) {
       if (s.logits.empty()) s.logits_first = x.start + x.logits_from;
       s.logits.insert(s.logits.end(), first, first + rows * V);

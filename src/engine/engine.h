@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "engine/step_executor.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
+#include "engine/spec_decode.h"
 #include "model/model.h"
 
 namespace kestrel {
@@ -31,6 +33,10 @@ struct EngineConfig {
   // unless executor_on_host_pool (an executor that runs on the host's pool, e.g. in tests).
   StepExecutorFactory executor;
   bool executor_on_host_pool = false;
+  // Speculative decoding (--speculative-config): drafts verified in the engine's steps (engine/spec_decode.h).
+  std::optional<SpeculativeConfig> speculative;
+  // The drafter to use instead of the config's method (tests: drafters with chosen drafts or distributions).
+  std::shared_ptr<Drafter> drafter;
 };
 
 // Points an engine's config at a device before the Engine is built (the GPU backend: weights uploaded, memory
@@ -57,6 +63,7 @@ struct StepOutput {
 struct EngineStats {
   int64_t steps = 0, computed_tokens = 0, generated_tokens = 0, preemptions = 0;
   PrefixCacheCounters prefix;
+  SpecDecodeCounters spec;  // all zero without speculative decoding
 };
 
 class Engine {
@@ -87,6 +94,8 @@ class Engine {
 
  private:
   void sample(Sequence& s, const float* logits, StepOutput& out);
+  // Speculative decoding: drafts for every running sequence that is about to decode (appended to its tokens).
+  void propose_drafts();
   // The token chosen for s (by its sampler or by the executor): appended, reported, checked for the end.
   void record(Sequence& s, int32_t token, TokenLogprob* logprob, StepOutput& out);
   // Whether the executor can sample every sequence of the plan that samples this step (none keeps its logits, none
@@ -109,6 +118,8 @@ class Engine {
   std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
   RequestId next_id_ = 0;
   EngineStats stats_;
+  std::shared_ptr<Drafter> drafter_;
+  Draft draft_;
 };
 
 }  // namespace kestrel

@@ -90,9 +90,11 @@ void token_logprob(const float* raw, int64_t vocab, int32_t token, int top_n, To
   }
 }
 
-int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, double uniform,
-                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob, std::span<const uint32_t> allowed) {
-  std::vector<float> penalised_logits;
+void sampling_candidates(const SamplingParams& p_, const float* raw, int64_t vocab,
+                         std::span<const PenaltyToken> penalties, std::span<const uint32_t> allowed,
+                         SamplingCandidates& c) {
+  std::vector<float>& penalised_logits = c.logits;
+  penalised_logits.clear();
   const float* logits = raw;
   if (!allowed.empty()) {
     KESTREL_CHECK(static_cast<int64_t>(allowed.size()) * 32 >= vocab, "a token mask of {} words for {} logits",
@@ -122,60 +124,74 @@ int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, 
         penalised_logits[t.token] -= p_.frequency_penalty * static_cast<float>(t.generated) + p_.presence_penalty;
     logits = penalised_logits.data();
   }
-
-  int32_t token = 0;
+  c.greedy_token = -1;
+  c.order.clear();
+  c.prob.clear();
+  c.keep = 0;
+  c.mass = 0.0;
   if (p_.temperature == 0.0f) {
-    token = first_max(logits, vocab);
+    c.greedy_token = first_max(logits, vocab);
+    return;
+  }
+  // Candidates by decreasing logit (ties: lower id); probabilities in double relative to the largest.
+  std::vector<int32_t>& order = c.order;
+  order.resize(static_cast<size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  int64_t keep = vocab;
+  if (p_.top_k > 0 && p_.top_k < vocab) {
+    keep = p_.top_k;
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(), better);
   } else {
-    // Candidates by decreasing logit (ties: lower id); probabilities in double relative to the largest.
-    std::vector<int32_t> order(vocab);
-    std::iota(order.begin(), order.end(), 0);
-    auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
-    int64_t keep = vocab;
-    if (p_.top_k > 0 && p_.top_k < vocab) {
-      keep = p_.top_k;
-      std::partial_sort(order.begin(), order.begin() + keep, order.end(), better);
-    } else {
-      std::sort(order.begin(), order.end(), better);
-    }
-    const double top = logits[order[0]];
-    std::vector<double> prob(keep);
-    double kept = 0.0;
-    for (int64_t i = 0; i < keep; ++i) kept += prob[i] = std::exp((logits[order[i]] - top) / p_.temperature);
-    if (p_.top_p < 1.0f) {
-      // The smallest head of the (top-k) candidates whose renormalised mass reaches top_p.
-      double cum = 0.0;
-      for (int64_t i = 0; i < keep; ++i) {
-        cum += prob[i] / kept;
-        if (cum >= p_.top_p) {
-          keep = i + 1;
-          break;
-        }
-      }
-    }
-    if (p_.min_p > 0.0f) {
-      const double floor = p_.min_p * prob[0];
-      int64_t i = 1;
-      while (i < keep && prob[i] >= floor) ++i;
-      keep = i;
-    }
-    // Masked-out candidates (probability 0) are never the fallback of a draw that passes every cumulative sum.
-    if (!allowed.empty())
-      while (keep > 1 && prob[static_cast<size_t>(keep - 1)] == 0.0) --keep;
-    double mass = 0.0;
-    for (int64_t i = 0; i < keep; ++i) mass += prob[i];
-    const double u = uniform * mass;
+    std::sort(order.begin(), order.end(), better);
+  }
+  const double top = logits[order[0]];
+  std::vector<double>& prob = c.prob;
+  prob.resize(static_cast<size_t>(keep));
+  double kept = 0.0;
+  for (int64_t i = 0; i < keep; ++i) kept += prob[i] = std::exp((logits[order[i]] - top) / p_.temperature);
+  if (p_.top_p < 1.0f) {
+    // The smallest head of the (top-k) candidates whose renormalised mass reaches top_p.
     double cum = 0.0;
-    token = order[keep - 1];
     for (int64_t i = 0; i < keep; ++i) {
-      cum += prob[i];
-      if (u < cum) {
-        token = order[i];
+      cum += prob[i] / kept;
+      if (cum >= p_.top_p) {
+        keep = i + 1;
         break;
       }
     }
   }
+  if (p_.min_p > 0.0f) {
+    const double floor = p_.min_p * prob[0];
+    int64_t i = 1;
+    while (i < keep && prob[i] >= floor) ++i;
+    keep = i;
+  }
+  // Masked-out candidates (probability 0) are never the fallback of a draw that passes every cumulative sum.
+  if (!allowed.empty())
+    while (keep > 1 && prob[static_cast<size_t>(keep - 1)] == 0.0) --keep;
+  double mass = 0.0;
+  for (int64_t i = 0; i < keep; ++i) mass += prob[i];
+  c.keep = keep;
+  c.mass = mass;
+}
 
+int32_t draw_candidate(const SamplingCandidates& c, double uniform) {
+  if (c.greedy_token >= 0) return c.greedy_token;
+  const double u = uniform * c.mass;
+  double cum = 0.0;
+  for (int64_t i = 0; i < c.keep; ++i) {
+    cum += c.prob[i];
+    if (u < cum) return c.order[i];
+  }
+  return c.order[c.keep - 1];
+}
+
+int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, double uniform,
+                     std::span<const PenaltyToken> penalties, TokenLogprob* logprob, std::span<const uint32_t> allowed) {
+  SamplingCandidates c;
+  sampling_candidates(p_, raw, vocab, penalties, allowed, c);
+  const int32_t token = draw_candidate(c, uniform);
   if (logprob) token_logprob(raw, vocab, token, p_.logprobs, *logprob);
   return token;
 }
@@ -183,6 +199,10 @@ int32_t sample_token(const SamplingParams& p_, const float* raw, int64_t vocab, 
 
 double Sampler::draw_uniform() {
   if (p_.temperature == 0.0f) return 0.0;
+  return draw_uniform_always();
+}
+
+double Sampler::draw_uniform_always() {
   return static_cast<double>(next_random() >> 11) * (1.0 / 9007199254740992.0);
 }
 

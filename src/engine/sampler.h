@@ -71,6 +71,25 @@ int32_t sample_token(const SamplingParams& p, const float* logits, int64_t vocab
                      std::span<const PenaltyToken> penalties, TokenLogprob* logprob,
                      std::span<const uint32_t> allowed = {});
 
+// What sample_token draws from, after the mask, penalties, temperature, top-k, top-p and min-p: greedy_token >= 0
+// at temperature 0; otherwise candidates order[0, keep) (by decreasing logit, ties to the lower id) with weights
+// prob[i] (relative to the largest, in double) summing to mass. The speculative verifier (spec_decode.h) reads the
+// target distribution from here, so it is the distribution the normal sampler draws from.
+struct SamplingCandidates {
+  int32_t greedy_token = -1;
+  std::vector<int32_t> order;
+  std::vector<double> prob;
+  int64_t keep = 0;
+  double mass = 0.0;
+  std::vector<float> logits;  // scratch: the masked and penalised logits
+};
+void sampling_candidates(const SamplingParams& p, const float* logits, int64_t vocab,
+                         std::span<const PenaltyToken> penalties, std::span<const uint32_t> allowed,
+                         SamplingCandidates& out);
+// The token sample_token chooses with this uniform: the first candidate whose cumulative weight passes
+// uniform * mass (the last kept one when none does).
+int32_t draw_candidate(const SamplingCandidates& c, double uniform);
+
 class Sampler {
  public:
   // stream: the index of the completion among the request's n (each draws from its own stream).
@@ -84,6 +103,8 @@ class Sampler {
   // stream advances only when temperature != 0, as in sample(); otherwise 0 and nothing advances), the penalty
   // tokens, and counting the chosen token.
   double draw_uniform();
+  // A uniform in [0, 1) from the stream whatever the temperature (speculative verification's accept tests).
+  double draw_uniform_always();
   std::vector<PenaltyToken> penalty_tokens() const;
   void accept(int32_t token) { ++generated_[token]; }
   const SamplingParams& params() const { return p_; }

@@ -66,12 +66,30 @@ int64_t Scheduler::tokens_to_run(const Sequence& s, int64_t start, int64_t budge
   return std::max<int64_t>(end - start, 0);
 }
 
+void Scheduler::drop_drafts(Sequence& s, int keep) const {
+  if (keep >= s.num_draft) return;
+  if (!s.draft_probs.empty()) s.draft_probs.resize(s.draft_probs.size() / s.num_draft * keep);
+  s.tokens.resize(s.tokens.size() - (s.num_draft - keep));
+  s.num_draft = keep;
+}
+
 ScheduledSequence Scheduler::make_step(Sequence* s, int64_t start, int64_t count) const {
   ScheduledSequence x;
   x.seq = s;
   x.start = start;
   x.count = count;
   x.prompt = start < s->prompt_len && s->prompt_len > 1;
+  if (s->num_draft > 0) {
+    KESTREL_CHECK(count == 1 + s->num_draft && start + count == static_cast<int64_t>(s->tokens.size()),
+                  "a verification step of {} tokens for {} drafts", count, s->num_draft);
+    x.num_draft = s->num_draft;
+    x.logits_from = 0;
+    const int G = cache_.plan().state_rows_per_request;
+    for (int j = 0; G > 0 && j < s->num_draft; ++j)
+      x.spec_slots.push_back({start + 1 + j, std::vector<int32_t>(s->rows.spec_rows.begin() + j * G,
+                                                                  s->rows.spec_rows.begin() + (j + 1) * G)});
+    return x;
+  }
   const bool samples = start + count == static_cast<int64_t>(s->tokens.size()) && s->request->params.max_tokens > 0;
   // The logits of position q give the log-probability of token q + 1: scoring from token t needs rows from t - 1.
   x.logits_from = samples ? count - 1 : count;
@@ -83,6 +101,7 @@ ScheduledSequence Scheduler::make_step(Sequence* s, int64_t start, int64_t count
 }
 
 void Scheduler::preempt(Sequence* s) {
+  drop_drafts(*s, 0);
   running_.erase(std::find(running_.begin(), running_.end(), s));
   cache_.release(s->rows);
   s->num_computed = 0;
@@ -96,7 +115,18 @@ StepPlan Scheduler::schedule() {
   bool preempted = false;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* s = running_[i];
-    const int64_t n = tokens_to_run(*s, s->num_computed, budget);
+    int64_t n = tokens_to_run(*s, s->num_computed, budget);
+    // Drafts are best effort: cut to the budget, and never worth a preemption or a row another sequence needs.
+    if (s->num_draft > 0 && n < 1 + s->num_draft) drop_drafts(*s, static_cast<int>(std::max<int64_t>(n - 1, 0)));
+    if (s->num_draft > 0 && !cache_.grow(s->rows, s->num_computed + n)) {
+      drop_drafts(*s, 0);
+      n = 1;
+    }
+    if (s->num_draft > 0) {
+      const int held = cache_.reserve_spec_slots(s->rows, s->num_draft);
+      drop_drafts(*s, held);
+      n = 1 + s->num_draft;
+    }
     if (n == 0) {
       ++i;
       continue;
@@ -119,6 +149,11 @@ StepPlan Scheduler::schedule() {
     budget -= n;
     ++i;
   }
+  // Drafts of running sequences that got no part of the step are dropped (the budget ran out first).
+  for (Sequence* s : running_)
+    if (s->num_draft > 0 && std::none_of(plan.seqs.begin(), plan.seqs.end(),
+                                         [&](const ScheduledSequence& x) { return x.seq == s; }))
+      drop_drafts(*s, 0);
   // A step that had to preempt admits nobody: the rows it freed go to the sequences already running.
   if (!preempted) admit_waiting(plan, budget);
   add_checkpoints(plan);
@@ -166,14 +201,25 @@ void Scheduler::add_checkpoints(StepPlan& plan) {
 
 void Scheduler::commit(const StepPlan& plan) {
   const int64_t B = cache_.plan().block_size;
+  const int G = cache_.plan().state_rows_per_request;
   for (const ScheduledSequence& x : plan.seqs) {
     Sequence& s = *x.seq;
-    s.num_computed = x.start + x.count;
+    KESTREL_CHECK(x.rejected >= 0 && x.rejected <= x.num_draft, "{} of {} drafts rejected", x.rejected, x.num_draft);
+    s.num_computed = x.start + x.count - x.rejected;
+    if (x.rejected > 0) {
+      // The state after the last kept position is in its slot: it becomes the sequence's state (row ids swap; the
+      // recurrence is never undone). Hashes of blocks holding rejected drafts are forgotten.
+      const int slot = x.num_draft - static_cast<int>(x.rejected);
+      for (int g = 0; g < G; ++g) std::swap(s.rows.state_rows[g], s.rows.spec_rows[slot * G + g]);
+      s.rows.hashes.resize(std::min<size_t>(s.rows.hashes.size(), static_cast<size_t>(s.num_computed / B)));
+    }
     const int64_t full = s.num_computed / B;
     cache_.name_blocks(s.rows, s.tokens, std::min(full, reusable_end(s) / B), s.request->cache_key);
     cache_.skip_blocks(s.rows, full);
-    for (const ScheduledSequence::Checkpoint& c : x.checkpoints)
-      cache_.commit_checkpoint(s.rows, s.tokens, c.position / B - 1, c.rows);
+    for (const ScheduledSequence::Checkpoint& c : x.checkpoints) {
+      if (c.position <= s.num_computed) cache_.commit_checkpoint(s.rows, s.tokens, c.position / B - 1, c.rows);
+      else cache_.unpin(c.rows);  // after a rejected draft: a state the sequence does not have
+    }
   }
   cache_.unpin(plan.pins);
 }

@@ -35,6 +35,13 @@ struct ScheduledSequence {
     std::vector<int32_t> rows;
   };
   std::vector<Checkpoint> checkpoints;
+  // Speculative decoding: the step verifies the sequence's last num_draft tokens (count = 1 + num_draft, logits
+  // for every position). spec_slots: where the KDA state after each of the first num_draft positions goes (the
+  // sequence's per-position slots). `rejected` is set by the engine after verification, before commit: that many
+  // of the last positions are dropped (their state slot is swapped out, their blocks are never named).
+  int num_draft = 0;
+  std::vector<Checkpoint> spec_slots;
+  int64_t rejected = 0;
 };
 
 struct StepPlan {
@@ -58,7 +65,8 @@ class Scheduler {
   void remove(Sequence* s);
 
   StepPlan schedule();
-  // After the step ran: advances computed tokens, names full blocks and checkpoints, releases pins.
+  // After the step ran: advances computed tokens (less each sequence's rejected drafts: the KDA state of its last
+  // kept position is swapped in), names full blocks and checkpoints of kept positions, releases pins.
   void commit(const StepPlan& plan);
 
   bool idle() const { return waiting_.empty() && running_.empty(); }
@@ -77,6 +85,8 @@ class Scheduler {
   int64_t reusable_end(const Sequence& s) const;
   ScheduledSequence make_step(Sequence* s, int64_t start, int64_t count) const;
   void preempt(Sequence* s);
+  // Keeps only the first `keep` of the sequence's drafts (speculative decoding).
+  void drop_drafts(Sequence& s, int keep) const;
   void admit_waiting(StepPlan& plan, int64_t& budget);
   void add_checkpoints(StepPlan& plan);
 

@@ -40,6 +40,10 @@ struct Sequence {
   // Only the first sequence of a request scores its prompt; a recompute after preemption resumes here.
   int64_t scored_until = 0;
   FinishReason finish = FinishReason::none;
+  // Speculative decoding, within one step: the last num_draft entries of `tokens` are drafts under verification
+  // (draft_probs: their distributions [num_draft, vocab], empty for point masses). Zero between steps.
+  int num_draft = 0;
+  std::vector<float> draft_probs;
 
   Sequence(Request* r, int idx, std::vector<int32_t> toks, int64_t prompt, const Sampler& s)
       : request(r), index(idx), tokens(std::move(toks)), prompt_len(prompt), sampler(s) {}

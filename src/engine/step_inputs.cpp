@@ -1,5 +1,7 @@
 #include "engine/step_inputs.h"
 
+#include <algorithm>
+
 namespace kestrel {
 
 StepInputs step_inputs(const StepPlan& plan, int block_size) {
@@ -21,6 +23,11 @@ StepInputs step_inputs(const StepPlan& plan, int block_size) {
       slots[t] = table.empty() ? -1 : int64_t{table[p / B]} * B + p % B;
     }
     for (const ScheduledSequence::Checkpoint& c : x.checkpoints) in.checkpoints[i].push_back({c.position, c.rows});
+    // A verification step's per-position state slots are checkpoints too (a prefix-cache checkpoint may share a
+    // position with one: both get the state).
+    for (const ScheduledSequence::Checkpoint& c : x.spec_slots) in.checkpoints[i].push_back({c.position, c.rows});
+    std::stable_sort(in.checkpoints[i].begin(), in.checkpoints[i].end(),
+                     [](const CheckpointTarget& a, const CheckpointTarget& b) { return a.position < b.position; });
     in.steps[i] = SequenceStep{std::span(s.tokens).subspan(x.start, x.count),
                                x.start,
                                x.prompt,

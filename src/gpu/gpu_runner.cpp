@@ -49,6 +49,8 @@ struct PoolClaim {
 }  // namespace
 
 std::shared_ptr<void> attach_engine(const Model& model, EngineConfig& cfg, std::FILE* log) {
+  KESTREL_CHECK(!cfg.speculative, "--speculative-config: speculative decoding is not supported with --device cuda "
+                                  "yet (it runs on the CPU reference: --device cpu)");
   CudaBackend& b = cuda_backend(model);
   GpuLimits lim;
   lim.max_tokens = cfg.max_num_batched_tokens;

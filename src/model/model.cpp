@@ -174,7 +174,7 @@ void Model::check_step(const StepBatch& batch) const {
     // As the KDA layers take them: ascending inside the step, on block boundaries.
     for (size_t c = 0; c < s.checkpoints.size(); ++c) {
       const int64_t p = s.checkpoints[c].position;
-      KESTREL_CHECK(p > s.start && p <= end && (c == 0 || p > s.checkpoints[c - 1].position),
+      KESTREL_CHECK(p > s.start && p <= end && (c == 0 || p >= s.checkpoints[c - 1].position),
                     "KDA checkpoint at {} is not inside the step ({}, {}] in ascending order", p, s.start, end);
       KESTREL_CHECK(static_cast<int>(s.checkpoints[c].rows.size()) == plan.state_rows_per_request,
                     "a checkpoint of {} state rows, the plan has {}", s.checkpoints[c].rows.size(),

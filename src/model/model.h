@@ -62,7 +62,9 @@ struct SequenceStep {
   std::span<const int32_t> block_table;  // token rows of the blocks covering [0, start + ids.size())
   std::span<const int64_t> slots;        // where each new token goes: row * B + offset in its block
   std::span<const int32_t> state_rows;   // the request's state rows (CachePlan::state_rows_per_request)
-  std::span<const CheckpointTarget> checkpoints;  // ascending, in (start, start + ids.size()], multiples of B
+  // Non-decreasing, in (start, start + ids.size()]; multiples of B in a prompt step (a verification step's
+  // per-position slots are at every position).
+  std::span<const CheckpointTarget> checkpoints;
   int64_t logits_from = 0;               // logits are wanted for new tokens [logits_from, ids.size())
 };
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <map>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -335,8 +336,9 @@ struct Run {
   }
 };
 
-// Kestrel's or vLLM's prefix-cache counters from /metrics: (queries, hits) in tokens, or nothing.
-std::optional<std::pair<double, double>> prefix_counters(net::io_context& ioc, const Target& t) {
+// The counters of /metrics, each name (without its namespace: "prefix_cache_hits_total") summed over its labels;
+// nothing when the server has no /metrics.
+std::optional<std::map<std::string, double>> server_counters(net::io_context& ioc, const Target& t) {
   auto f = net::co_spawn(ioc, call(t, http::verb::get, "/metrics", ""), net::use_future);
   ioc.restart();
   ioc.run();
@@ -347,20 +349,31 @@ std::optional<std::pair<double, double>> prefix_counters(net::io_context& ioc, c
     return std::nullopt;
   }
   if (reply.first != 200) return std::nullopt;
-  double q = -1, h = -1;
+  std::map<std::string, double> out;
   std::istringstream in(reply.second);
   std::string line;
   while (std::getline(in, line)) {
     if (line.starts_with("#")) continue;
     const size_t brace = line.find('{'), space = line.rfind(' ');
     if (space == std::string::npos) continue;
-    const std::string name = line.substr(0, std::min(brace, space));
-    const double v = std::strtod(line.c_str() + space + 1, nullptr);
-    if (name.ends_with(":prefix_cache_queries_total")) q = std::max(q, 0.0) + v;
-    if (name.ends_with(":prefix_cache_hits_total")) h = std::max(h, 0.0) + v;
+    std::string name = line.substr(0, std::min(brace, space));
+    if (const size_t colon = name.rfind(':'); colon != std::string::npos) name = name.substr(colon + 1);
+    out[name] += std::strtod(line.c_str() + space + 1, nullptr);
   }
-  if (q < 0 || h < 0) return std::nullopt;
-  return std::make_pair(q, h);
+  return out;
+}
+
+// Kestrel's or vLLM's prefix-cache counters: (queries, hits) in tokens, or nothing.
+std::optional<std::pair<double, double>> prefix_counters(const std::optional<std::map<std::string, double>>& m) {
+  if (!m || !m->count("prefix_cache_queries_total") || !m->count("prefix_cache_hits_total")) return std::nullopt;
+  return std::make_pair(m->at("prefix_cache_queries_total"), m->at("prefix_cache_hits_total"));
+}
+
+// A counter's growth between two scrapes (0 when either lacks it).
+double counter_delta(const std::optional<std::map<std::string, double>>& before,
+                     const std::optional<std::map<std::string, double>>& after, const std::string& name) {
+  if (!before || !after || !before->count(name) || !after->count(name)) return 0.0;
+  return after->at(name) - before->at(name);
 }
 
 struct Stats {
@@ -410,7 +423,8 @@ Json bench_serve(const BenchServeOptions& o) {
   const size_t need = static_cast<size_t>(std::max({o.random_input_len * 2, o.agentic_prefix_len + 64, 4096}));
   Run run(ioc, o, target, model, token_pool(ioc, target, model, need, rng));
 
-  const auto before = prefix_counters(ioc, target);
+  const auto counters_before = server_counters(ioc, target);
+  const auto before = prefix_counters(counters_before);
   const std::time_t date = std::time(nullptr);
   const double t0 = now();
   if (o.dataset == "random") net::co_spawn(ioc, run.random_dataset(), net::detached);
@@ -418,7 +432,8 @@ Json bench_serve(const BenchServeOptions& o) {
   ioc.restart();
   ioc.run();
   const double duration = now() - t0;
-  const auto after = prefix_counters(ioc, target);
+  const auto counters_after = server_counters(ioc, target);
+  const auto after = prefix_counters(counters_after);
 
   int completed = 0;
   int64_t input = 0, output = 0, cached = 0;
@@ -492,6 +507,17 @@ Json bench_serve(const BenchServeOptions& o) {
   out["prefix_hit_rate"] = input > 0 ? static_cast<double>(cached) / static_cast<double>(input) : 0.0;
   if (before && after && after->first > before->first)
     out["server_prefix_hit_rate"] = (after->second - before->second) / (after->first - before->first);
+  // Speculative decoding (vLLM's counters): acceptance over the run, as vLLM's bench serve prints it.
+  const double drafts = counter_delta(counters_before, counters_after, "spec_decode_num_drafts_total");
+  if (drafts > 0) {
+    const double accepted = counter_delta(counters_before, counters_after, "spec_decode_num_accepted_tokens_total");
+    const double draft_tokens = counter_delta(counters_before, counters_after, "spec_decode_num_draft_tokens_total");
+    out["spec_decode_acceptance_length"] = 1.0 + accepted / drafts;
+    out["spec_decode_acceptance_rate"] = draft_tokens > 0 ? accepted / draft_tokens : 0.0;
+    out["spec_decode_num_drafts"] = drafts;
+    out["spec_decode_draft_tokens"] = draft_tokens;
+    out["spec_decode_accepted_tokens"] = accepted;
+  }
   if (o.dataset == "agentic")
     out["agentic"] = {{"turns", o.agentic_turns},       {"prefix_len", o.agentic_prefix_len},
                       {"turn_len", o.agentic_turn_len}, {"salt_len", o.agentic_salt_len},
@@ -528,6 +554,14 @@ std::string format_bench_result(const Json& r) {
     if (r.contains("server_prefix_hit_rate"))
       line("Prefix cache hit rate (/metrics):",
            fmt::format("{:.2f}%", 100 * r["server_prefix_hit_rate"].get<double>()));
+  }
+  if (r.contains("spec_decode_acceptance_length")) {
+    title(" Speculative Decoding ");
+    line("Acceptance rate (%):", fmt::format("{:.2f}", 100 * r["spec_decode_acceptance_rate"].get<double>()));
+    line("Acceptance length:", num("spec_decode_acceptance_length"));
+    line("Drafts:", fmt::format("{:.0f}", r["spec_decode_num_drafts"].get<double>()));
+    line("Draft tokens:", fmt::format("{:.0f}", r["spec_decode_draft_tokens"].get<double>()));
+    line("Accepted tokens:", fmt::format("{:.0f}", r["spec_decode_accepted_tokens"].get<double>()));
   }
   for (const auto& [key, name] : {std::pair{"ttft", "Time to First Token"},
                                   std::pair{"tpot", "Time per Output Token (excl. 1st token)"},

@@ -197,6 +197,7 @@ void EngineLoop::publish() {
   snapshot_.prefix = st.prefix;
   snapshot_.steps = st.steps;
   snapshot_.preemptions = st.preemptions;
+  snapshot_.spec = st.spec;
 }
 
 void EngineLoop::fail_all(const std::string& why) {

@@ -89,6 +89,7 @@ struct EngineSnapshot {
   double kv_cache_usage = 0;   // fraction of cache rows held by sequences
   PrefixCacheCounters prefix;
   int64_t steps = 0, preemptions = 0;
+  SpecDecodeCounters spec;  // accepted_per_pos empty: no speculative decoding
 };
 
 // How /pause treats the requests in flight (vLLM's modes): abort ends them (finish reason abort), wait lets them

@@ -142,6 +142,19 @@ std::string ServerMetrics::render(const EngineSnapshot& s) const {
           static_cast<double>(s.prefix.hit_tokens));
   counter("kestrel:num_preemptions_total", "Cumulative number of preemptions by the scheduler.",
           static_cast<double>(s.preemptions));
+  if (!s.spec.accepted_per_pos.empty()) {  // with --speculative-config (vLLM's spec_decode counters)
+    counter("kestrel:spec_decode_num_drafts_total", "Number of spec decoding drafts (sequences verified in a step).",
+            static_cast<double>(s.spec.num_drafts));
+    counter("kestrel:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+            static_cast<double>(s.spec.num_draft_tokens));
+    counter("kestrel:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+            static_cast<double>(s.spec.num_accepted_tokens));
+    header(out, "kestrel:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+           "Accepted tokens per draft position.");
+    for (size_t i = 0; i < s.spec.accepted_per_pos.size(); ++i)
+      out += fmt::format("kestrel:spec_decode_num_accepted_tokens_per_pos_total{{{},position=\"{}\"}} {}\n", lab, i,
+                         s.spec.accepted_per_pos[i]);
+  }
 
   std::lock_guard lock(mu_);
   counter("kestrel:prompt_tokens_total", "Number of prefill tokens processed.", static_cast<double>(prompt_tokens_));

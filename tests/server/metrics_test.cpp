@@ -66,5 +66,25 @@ TEST(Metrics, RequestRecordsFeedCountersAndHistograms) {
   EXPECT_TRUE(has_line(out, "# TYPE kestrel:prompt_tokens_total counter"));
 }
 
+// Speculative decoding's counters (vLLM's names) appear only with a speculative config (accepted_per_pos sized k).
+TEST(Metrics, SpecDecodeCountersWithVllmNames) {
+  ServerMetrics m("m");
+  EngineSnapshot s;
+  EXPECT_EQ(m.render(s).find("spec_decode"), std::string::npos);
+  s.spec.num_drafts = 10;
+  s.spec.num_draft_tokens = 30;
+  s.spec.num_accepted_tokens = 14;
+  s.spec.accepted_per_pos = {8, 4, 2};
+  const std::string out = m.render(s);
+  const std::string lab = "model_name=\"m\"";
+  EXPECT_TRUE(has_line(out, "kestrel:spec_decode_num_drafts_total{" + lab + "} 10")) << out;
+  EXPECT_TRUE(has_line(out, "kestrel:spec_decode_num_draft_tokens_total{" + lab + "} 30"));
+  EXPECT_TRUE(has_line(out, "kestrel:spec_decode_num_accepted_tokens_total{" + lab + "} 14"));
+  EXPECT_TRUE(has_line(out, "kestrel:spec_decode_num_accepted_tokens_per_pos_total{" + lab + ",position=\"0\"} 8"));
+  EXPECT_TRUE(has_line(out, "kestrel:spec_decode_num_accepted_tokens_per_pos_total{" + lab + ",position=\"2\"} 2"));
+  EXPECT_TRUE(has_line(out, "# TYPE kestrel:spec_decode_num_accepted_tokens_per_pos_total counter"));
+  EXPECT_DOUBLE_EQ(s.spec.mean_acceptance_length(), 2.4);
+}
+
 }  // namespace
 }  // namespace kestrel::server
