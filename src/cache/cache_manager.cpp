@@ -81,6 +81,11 @@ int CacheManager::reserve_spec_slots(SequenceRows& rows, int slots) {
   return std::min(slots, static_cast<int>(rows.spec_rows.size()) / G);
 }
 
+void CacheManager::release_spec_slots(SequenceRows& rows) {
+  for (int32_t r : rows.spec_rows) pool_.unref(r);
+  rows.spec_rows.clear();
+}
+
 void CacheManager::unpin(std::span<const int32_t> pins) {
   for (int32_t r : pins) pool_.unref(r);
 }

@@ -20,6 +20,7 @@ struct SequenceRows {
   int64_t named_blocks = 0;         // blocks [0, named_blocks) are named in the prefix cache or never will be
   // Speculative decoding: per-position KDA state slots, slot j in [j * G, (j + 1) * G) for G state rows per
   // request; a verification step leaves the state after its (j + 1)-th token in slot j (engine/spec_decode.h).
+  // Held only during that step.
   std::vector<int32_t> spec_rows;
 };
 
@@ -64,6 +65,8 @@ class CacheManager {
   // Speculative decoding: makes the sequence hold (at least) `slots` per-position state slots, taking rows nobody
   // holds (never preempting); returns how many it holds, at most `slots` counted (all of them without KDA state).
   int reserve_spec_slots(SequenceRows& rows, int slots);
+  // Gives the slots back (the scheduler does at the commit of the step that used them).
+  void release_spec_slots(SequenceRows& rows);
 
   // Names the sequence's full blocks [named_blocks, upto) in the prefix cache (its tokens must be computed).
   void name_blocks(SequenceRows& rows, std::span<const int32_t> tokens, int64_t upto, uint64_t extra_key);

@@ -132,6 +132,12 @@ int run_generate(GenerateArgs a) {
                static_cast<long long>(st.prefix.hit_tokens), static_cast<long long>(st.prefix.query_tokens),
                static_cast<long long>(st.prefix.checkpoints_taken), static_cast<long long>(st.prefix.checkpoints_used),
                static_cast<long long>(st.preemptions));
+  if (!st.spec.accepted_per_pos.empty())
+    std::fprintf(stderr,
+                 "[kestrel] speculative decoding: %lld drafts, %lld of %lld draft tokens accepted, mean acceptance "
+                 "length %.2f\n",
+                 static_cast<long long>(st.spec.num_drafts), static_cast<long long>(st.spec.num_accepted_tokens),
+                 static_cast<long long>(st.spec.num_draft_tokens), st.spec.mean_acceptance_length());
   return 0;
 }
 

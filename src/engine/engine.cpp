@@ -92,7 +92,7 @@ void Engine::propose_drafts() {
     const int64_t L = static_cast<int64_t>(s->tokens.size());
     // Only a sequence that decodes next (its last token sampled, everything before it computed) drafts; one that
     // keeps its logits or follows a grammar decodes one token at a time.
-    if (s->num_draft != 0 || s->num_computed != L - 1 || L <= s->prompt_len) continue;
+    if (s->num_draft != 0 || !s->drafts.empty() || s->num_computed != L - 1 || L <= s->prompt_len) continue;
     const Request& r = *s->request;
     if (r.keep_logits || s->constraint) continue;
     const int most = std::min<int64_t>(k, r.params.max_tokens - s->num_generated() - 1);
@@ -107,8 +107,7 @@ void Engine::propose_drafts() {
     for (int i = 0; i < m; ++i)
       KESTREL_CHECK(draft_.tokens[i] >= 0 && draft_.tokens[i] < V, "draft token {} is outside the vocabulary (0..{})",
                     draft_.tokens[i], V - 1);
-    s->tokens.insert(s->tokens.end(), draft_.tokens.begin(), draft_.tokens.begin() + m);
-    s->num_draft = m;
+    s->drafts.assign(draft_.tokens.begin(), draft_.tokens.begin() + m);
     if (!draft_.probs.empty()) s->draft_probs.assign(draft_.probs.begin(), draft_.probs.begin() + m * V);
     else s->draft_probs.clear();
   }

@@ -66,11 +66,28 @@ int64_t Scheduler::tokens_to_run(const Sequence& s, int64_t start, int64_t budge
   return std::max<int64_t>(end - start, 0);
 }
 
-void Scheduler::drop_drafts(Sequence& s, int keep) const {
-  if (keep >= s.num_draft) return;
-  if (!s.draft_probs.empty()) s.draft_probs.resize(s.draft_probs.size() / s.num_draft * keep);
-  s.tokens.resize(s.tokens.size() - (s.num_draft - keep));
-  s.num_draft = keep;
+void Scheduler::add_drafts(StepPlan& plan, int64_t& budget) {
+  for (ScheduledSequence& x : plan.seqs) {
+    Sequence& s = *x.seq;
+    if (s.drafts.empty()) continue;
+    const int64_t L = static_cast<int64_t>(s.tokens.size());
+    int m = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(s.drafts.size()), budget));
+    if (x.count != 1 || x.start + 1 != L || L <= s.prompt_len) m = 0;  // only a plain decode step verifies
+    // Token rows for the drafts' positions: those held, then only rows nobody holds; then a state slot per draft.
+    while (m > 0 && !cache_.grow(s.rows, L + m)) --m;
+    if (m > 0) m = std::min(m, cache_.reserve_spec_slots(s.rows, m));
+    if (m > 0) {
+      const size_t V = s.draft_probs.size() / s.drafts.size();
+      s.tokens.insert(s.tokens.end(), s.drafts.begin(), s.drafts.begin() + m);
+      s.draft_probs.resize(V * static_cast<size_t>(m));
+      s.num_draft = m;
+      x = make_step(&s, x.start, 1 + m);
+      budget -= m;
+    } else {
+      s.draft_probs.clear();
+    }
+    s.drafts.clear();
+  }
 }
 
 ScheduledSequence Scheduler::make_step(Sequence* s, int64_t start, int64_t count) const {
@@ -101,7 +118,8 @@ ScheduledSequence Scheduler::make_step(Sequence* s, int64_t start, int64_t count
 }
 
 void Scheduler::preempt(Sequence* s) {
-  drop_drafts(*s, 0);
+  s->drafts.clear();
+  s->draft_probs.clear();
   running_.erase(std::find(running_.begin(), running_.end(), s));
   cache_.release(s->rows);
   s->num_computed = 0;
@@ -115,18 +133,7 @@ StepPlan Scheduler::schedule() {
   bool preempted = false;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* s = running_[i];
-    int64_t n = tokens_to_run(*s, s->num_computed, budget);
-    // Drafts are best effort: cut to the budget, and never worth a preemption or a row another sequence needs.
-    if (s->num_draft > 0 && n < 1 + s->num_draft) drop_drafts(*s, static_cast<int>(std::max<int64_t>(n - 1, 0)));
-    if (s->num_draft > 0 && !cache_.grow(s->rows, s->num_computed + n)) {
-      drop_drafts(*s, 0);
-      n = 1;
-    }
-    if (s->num_draft > 0) {
-      const int held = cache_.reserve_spec_slots(s->rows, s->num_draft);
-      drop_drafts(*s, held);
-      n = 1 + s->num_draft;
-    }
+    const int64_t n = tokens_to_run(*s, s->num_computed, budget);
     if (n == 0) {
       ++i;
       continue;
@@ -149,11 +156,13 @@ StepPlan Scheduler::schedule() {
     budget -= n;
     ++i;
   }
-  // Drafts of running sequences that got no part of the step are dropped (the budget ran out first).
+  // Drafts are best effort: after every running sequence got its share, never preempting, cut to what is left.
+  add_drafts(plan, budget);
   for (Sequence* s : running_)
-    if (s->num_draft > 0 && std::none_of(plan.seqs.begin(), plan.seqs.end(),
-                                         [&](const ScheduledSequence& x) { return x.seq == s; }))
-      drop_drafts(*s, 0);
+    if (!s->drafts.empty()) {  // got no part of the step
+      s->drafts.clear();
+      s->draft_probs.clear();
+    }
   // A step that had to preempt admits nobody: the rows it freed go to the sequences already running.
   if (!preempted) admit_waiting(plan, budget);
   add_checkpoints(plan);
@@ -213,6 +222,8 @@ void Scheduler::commit(const StepPlan& plan) {
       for (int g = 0; g < G; ++g) std::swap(s.rows.state_rows[g], s.rows.spec_rows[slot * G + g]);
       s.rows.hashes.resize(std::min<size_t>(s.rows.hashes.size(), static_cast<size_t>(s.num_computed / B)));
     }
+    // The slots go back: held across steps they would keep rows from sequences that need them.
+    if (x.num_draft > 0) cache_.release_spec_slots(s.rows);
     const int64_t full = s.num_computed / B;
     cache_.name_blocks(s.rows, s.tokens, std::min(full, reusable_end(s) / B), s.request->cache_key);
     cache_.skip_blocks(s.rows, full);

@@ -85,8 +85,9 @@ class Scheduler {
   int64_t reusable_end(const Sequence& s) const;
   ScheduledSequence make_step(Sequence* s, int64_t start, int64_t count) const;
   void preempt(Sequence* s);
-  // Keeps only the first `keep` of the sequence's drafts (speculative decoding).
-  void drop_drafts(Sequence& s, int keep) const;
+  // Speculative decoding: extends the plain decodes of sequences with drafts by as many drafts as the budget, the
+  // rows they already hold and rows nobody holds allow (drafts never preempt); the others are dropped.
+  void add_drafts(StepPlan& plan, int64_t& budget);
   void admit_waiting(StepPlan& plan, int64_t& budget);
   void add_checkpoints(StepPlan& plan);
 

@@ -40,8 +40,10 @@ struct Sequence {
   // Only the first sequence of a request scores its prompt; a recompute after preemption resumes here.
   int64_t scored_until = 0;
   FinishReason finish = FinishReason::none;
-  // Speculative decoding, within one step: the last num_draft entries of `tokens` are drafts under verification
-  // (draft_probs: their distributions [num_draft, vocab], empty for point masses). Zero between steps.
+  // Speculative decoding, within one step: `drafts` are the drafter's proposals (draft_probs: their distributions
+  // [drafts, vocab], empty for point masses); the scheduler moves the ones the step can verify to the end of `tokens`
+  // (the last num_draft entries). Empty and zero between steps.
+  std::vector<int32_t> drafts;
   int num_draft = 0;
   std::vector<float> draft_probs;
 

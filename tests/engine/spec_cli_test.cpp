@@ -67,6 +67,7 @@ TEST_F(SpecCli, GenerateWithNgramEqualsWithout) {
       << err;
   EXPECT_EQ(spec, plain);
   EXPECT_FALSE(plain.empty());
+  EXPECT_NE(err.find("[kestrel] speculative decoding: "), std::string::npos) << err;
   // Log-probabilities too (the JSON prints floats exactly enough to tell bits apart: shortest round trip).
   std::ifstream a(dir_ + "/plain.jsonl"), b(dir_ + "/spec.jsonl");
   std::string la, lb;

@@ -262,6 +262,55 @@ INSTANTIATE_TEST_SUITE_P(Tiny, SpecPressure,
                                   kind_name(std::get<1>(info.param));
                          });
 
+// A budget of a few tokens per step shared by several decoding sequences (drafts cut to what is left, or dropped
+// when a sequence gets no part of the step) and a pool so small that state slots are often unavailable and
+// sequences are preempted: the outputs are still those without speculation, with the rows accounted every step.
+class SpecTight : public ::testing::TestWithParam<Arch> {};
+
+TEST_P(SpecTight, SmallBudgetAndPoolKeepTheOutputs) {
+  const Arch arch = GetParam();
+  ModelOptions o;
+  o.kda_chunked_prefill = false;  // the recurrence everywhere: prompts may be cut anywhere, budgets below 64
+  const Model& m = tiny_model(arch, o);
+  EngineConfig cfg;
+  cfg.max_model_len = 96;  // the longest request has 61 + 20 tokens
+  cfg.block_size = 16;
+  cfg.max_num_batched_tokens = 7;
+  const CachePlan plan = plan_cache(m.cache_specs(), {.block_size = 16});
+  cfg.num_rows = static_cast<int32_t>(plan.rows_per_request(96) + 1);
+  const int max_tokens = 20;
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < 5; ++i) prompts.push_back(random_prompt(9 + 13 * static_cast<int>(i), 60 + i));
+  auto run = [&](const EngineConfig& c, EngineStats* st) {
+    Engine e(m, c);
+    for (const auto& p : prompts) e.add_request(p, greedy_with_logprobs(max_tokens));
+    const std::vector<RequestOutput> out = run_checked(e);
+    EXPECT_EQ(e.cache().pool().num_referenced(), 0);
+    *st = e.stats();
+    Outputs r;
+    for (size_t i = 0; i < out.size(); ++i) {
+      r.prompts.push_back(prompts[i]);
+      r.tokens.push_back(out[i].completions.at(0).token_ids);
+      r.logprobs.push_back(out[i].completions.at(0).logprobs);
+    }
+    return r;
+  };
+  EngineStats plain_stats, spec_stats;
+  const Outputs plain = run(cfg, &plain_stats);
+  EngineConfig sc = cfg;
+  sc.speculative = ngram_config();
+  sc.drafter = drafter_for(DrafterKind::oracle, plain);
+  const Outputs spec = run(sc, &spec_stats);
+  expect_same(spec, plain);
+  EXPECT_GT(spec_stats.spec.num_accepted_tokens, 0);
+  EXPECT_GT(spec_stats.preemptions, 0);
+  // Drafts were cut: fewer draft tokens than k per draft on average.
+  EXPECT_LT(spec_stats.spec.num_draft_tokens, kK * spec_stats.spec.num_drafts);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, SpecTight, ::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
+                         [](const auto& info) { return std::string(arch_name(info.param)); });
+
 // n > 1 completions fork from the prompt's rows and then verify drafts each with its own state slots; a scoring
 // request (prompt log-probabilities) and a request with kept logits (which never drafts) share the steps.
 TEST(SpecMixed, ForksScoringAndKeptLogitsAlongside) {

@@ -32,10 +32,19 @@ def complete(server, prompt):
     return c.text, c.logprobs.token_logprobs
 
 
+def streamed(server, prompt):
+    chunks = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True,
+                                                extra_body={"ignore_eos": True, "repetition_penalty": 0.05})
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
 def test_greedy_outputs_and_logprobs_equal_without_speculation(servers):
     plain, spec = servers
     for p in PROMPTS:
-        assert complete(spec, p) == complete(plain, p)
+        text, logprobs = complete(spec, p)
+        assert (text, logprobs) == complete(plain, p)
+        assert streamed(spec, p) == text  # several tokens of one step stream in order
     m = spec.wait_idle()
     drafts = m["kestrel:spec_decode_num_drafts_total"]
     accepted = m["kestrel:spec_decode_num_accepted_tokens_total"]
