@@ -251,3 +251,16 @@ def test_client_leaving_cancels_its_render(tiny_dir, tmp_path):  # noqa: F811
         assert waited < full / 2, (waited, full)
     finally:
         assert s.stop() == 0
+
+
+def test_objects_of_many_keys_are_refused(server):
+    # chat_template_kwargs of 5000 keys: parsing such an object costs quadratic time; it is refused while read.
+    kwargs = {f"k{i}": i for i in range(5000)}
+    status, r = h.post(server.url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user",
+                                                            "content": "x"}], "chat_template_kwargs": kwargs})
+    assert status == 400
+    assert "more than 1024 keys" in r["error"]["message"]
+    status, r = h.post(server.url + "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "chat_template_kwargs": {f"k{i}": i for i in range(1000)}})
+    assert status == 200, r
