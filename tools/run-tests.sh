@@ -8,6 +8,13 @@ export OMP_WAIT_POLICY=passive
 # The GPU tests (label gpu) are compiled here and run on a GPU machine (bench/gpu/run_h200.sh).
 ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 600 -LE gpu
 
+# The libFuzzer harnesses (tests/fuzz: a fixed number of inputs each, from a fixed seed), where Debian's clang is.
+if command -v clang++ >/dev/null; then
+  cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
+  ninja -C build-fuzz
+  ctest --test-dir build-fuzz --output-on-failure --timeout 900
+fi
+
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -r tests/python/requirements-grammar.txt

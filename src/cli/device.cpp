@@ -33,12 +33,15 @@ std::string resolve_device(const std::string& device) {
 #endif
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& resolved, double utilization) {
+std::unique_ptr<Backend> make_backend(const std::string& resolved, double utilization, bool cuda_graphs) {
   if (resolved != "cuda") return std::make_unique<CpuBackend>();
 #ifdef KESTREL_HAVE_CUDA
-  return std::make_unique<gpu::CudaBackend>(utilization > 0 ? utilization : 0.9, stderr);
+  auto backend = std::make_unique<gpu::CudaBackend>(utilization > 0 ? utilization : 0.9, stderr);
+  if (!cuda_graphs) backend->set_cuda_graphs(false);
+  return backend;
 #else
   (void)utilization;
+  (void)cuda_graphs;
   fail("--device cuda: this kestrel was built without the CUDA backend");
 #endif
 }

@@ -14,7 +14,8 @@ namespace kestrel::cli {
 std::string resolve_device(const std::string& device);
 // The backend a model loads into on a resolved device: the CPU backend, or the CUDA backend taking `utilization` of
 // the GPU's memory (0: the default, 0.9) for weights, workspaces and the cache.
-std::unique_ptr<Backend> make_backend(const std::string& resolved, double utilization);
+// `cuda_graphs` false: the GPU backend runs every step eagerly (--enforce-eager).
+std::unique_ptr<Backend> make_backend(const std::string& resolved, double utilization, bool cuda_graphs = true);
 // The engine hook for a resolved device: empty for cpu; for cuda, the step workspaces sized for the engine's limits
 // and the cache pool in GPU memory (the memory split printed on stderr).
 DeviceAttach device_attach(const std::string& resolved);

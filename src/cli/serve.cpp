@@ -150,7 +150,8 @@ int run_serve(ServeArgs& a) {
   o.engine.enable_prefix_caching = a.enable_prefix_caching;
   o.engine.cache_bytes = a.kv_cache_memory_bytes;
   const double utilization = a.gpu_memory_utilization;
-  o.make_backend = [device, utilization] { return make_backend(device, utilization); };
+  const bool cuda_graphs = !a.enforce_eager;
+  o.make_backend = [device, utilization, cuda_graphs] { return make_backend(device, utilization, cuda_graphs); };
   o.attach_device = device_attach(device);
   for (const std::string* p : {&o.tool_call_parser, &o.reasoning_parser})
     if (!p->empty() && *p != "kimi_k3" && *p != "deepseek_v32")
@@ -180,7 +181,7 @@ Runner add_serve(CLI::App& app) {
                   "longest sequence, e.g. 32768, 32k, 32K (default: the model's, capped by the cache)");
   cmd->add_option("--dtype", a->dtype, "auto | bfloat16 | float32 (weights stay in their stored precision)")
       ->capture_default_str();
-  cmd->add_flag("--enforce-eager", a->enforce_eager, "accepted (the CPU has no graphs; the GPU's decode graphs stay)");
+  cmd->add_flag("--enforce-eager", a->enforce_eager, "GPU: no CUDA graphs, every step eager (no effect on the CPU)");
   cmd->add_option("--generation-config", a->generation_config,
                   "auto (the checkpoint's generation_config.json gives default sampling), vllm (none), or a directory")
       ->capture_default_str();

@@ -90,7 +90,12 @@ OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const t
       created_(unix_time()),
       seed_rng_(opts.seed ? *opts.seed : std::random_device{}()),
       structured_(tok, static_cast<int32_t>(opts.vocab_size), opts.eos_token_id, opts.reasoning_parser),
-      text_pool_(opts.text_threads, opts.text_queue) {}
+      text_pool_(opts.text_threads, opts.text_queue) {
+  rl_.set_aliases(opts.model_aliases);
+  rl_.set_off_thread([this](HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work) {
+    return off_thread(ex, std::move(work));
+  });
+}
 
 uint64_t OpenAIApi::draw_seed() {
   std::lock_guard lock(seed_mu_);

@@ -321,11 +321,27 @@ std::vector<PromptInput> parse_prompts(const Json* p, const std::string& key) {
 
 Json parse_body(const std::string& body) {
   // Deeply nested values would exhaust the stack of whatever walks them recursively later (templates, dumps).
-  const Json::parser_callback_t limit_depth = [](int depth, Json::parse_event_t event, Json&) {
+  // Objects of many keys cost quadratic time to build (an ordered object finds each key among those before it):
+  // kMaxJsonObjectKeys bounds it.
+  std::vector<int> keys;  // per open container: keys so far (objects), -1 (arrays)
+  const Json::parser_callback_t limit_depth = [&keys](int depth, Json::parse_event_t event, Json&) {
     // `depth` counts the containers around the one starting: the top-level object is level 1.
     const bool opens = event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start;
     if (opens && depth >= kMaxJsonDepth)
       throw ApiError(400, fmt::format("the request body nests JSON deeper than {} levels", kMaxJsonDepth));
+    switch (event) {
+      case Json::parse_event_t::object_start: keys.push_back(0); break;
+      case Json::parse_event_t::array_start: keys.push_back(-1); break;
+      case Json::parse_event_t::object_end:
+      case Json::parse_event_t::array_end:
+        if (!keys.empty()) keys.pop_back();
+        break;
+      case Json::parse_event_t::key:
+        if (!keys.empty() && ++keys.back() > kMaxJsonObjectKeys)
+          throw ApiError(400, fmt::format("an object in the request body has more than {} keys", kMaxJsonObjectKeys));
+        break;
+      default: break;
+    }
     return true;
   };
   Json j;

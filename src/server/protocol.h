@@ -90,6 +90,7 @@ constexpr int kMaxN = 128;
 constexpr int kMaxLogprobs = 20;
 // Nesting levels a request body may have.
 constexpr int kMaxJsonDepth = 64;
+constexpr int kMaxJsonObjectKeys = 1024;  // keys of one object (a tool schema's properties, chat_template_kwargs)
 
 CompletionRequest parse_completion_request(const Json& body);
 ChatRequest parse_chat_request(const Json& body);

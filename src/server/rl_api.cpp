@@ -1,5 +1,7 @@
 #include "server/rl_api.h"
 
+#include <algorithm>
+
 #include <random>
 
 #include "server/api_error.h"
@@ -106,31 +108,45 @@ std::vector<int32_t> RlApi::ids_of(const std::variant<std::string, std::vector<i
 
 awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
   need(ex, http::verb::post);
-  const ScoreTokensRequest r = parse_score_tokens_request(parse_body(ex.request().body()));
-  if (!r.model.empty() && r.model != model_name_)
-    throw ApiError(404, fmt::format("The model `{}` does not exist.", r.model), "model");
-  const size_t P = r.prompts.size();
-  const int64_t max_len = loop_.max_model_len();
-  std::vector<std::vector<int32_t>> seqs(P);
-  std::vector<int64_t> starts(P);
-  for (size_t i = 0; i < P; ++i) {
-    seqs[i] = ids_of(r.prompts[i], false);
-    starts[i] = r.start;
-    if (!r.responses.empty()) {
-      const std::vector<int32_t> response = ids_of(r.responses[i], false);
-      if (response.empty()) bad_request("response", "response {} is empty after tokenisation", i);
-      starts[i] = static_cast<int64_t>(seqs[i].size());
-      seqs[i].insert(seqs[i].end(), response.begin(), response.end());
+  ScoreTokensRequest r;
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int64_t> starts;
+  // Parsing and tokenising: on the text threads when the server has them (off the HTTP threads).
+  auto prepare = [&](const std::atomic<bool>&) {
+    r = parse_score_tokens_request(parse_body(ex.request().body()));
+    if (!r.model.empty() && r.model != model_name_ &&
+        std::find(aliases_.begin(), aliases_.end(), r.model) == aliases_.end())
+      throw ApiError(404, fmt::format("The model `{}` does not exist.", r.model), "model");
+    const size_t P = r.prompts.size();
+    const int64_t max_len = loop_.max_model_len();
+    seqs.assign(P, {});
+    starts.assign(P, 0);
+    for (size_t i = 0; i < P; ++i) {
+      seqs[i] = ids_of(r.prompts[i], false);
+      starts[i] = r.start;
+      if (!r.responses.empty()) {
+        const std::vector<int32_t> response = ids_of(r.responses[i], false);
+        if (response.empty()) bad_request("response", "response {} is empty after tokenisation", i);
+        starts[i] = static_cast<int64_t>(seqs[i].size());
+        seqs[i].insert(seqs[i].end(), response.begin(), response.end());
+      }
+      const int64_t len = static_cast<int64_t>(seqs[i].size());
+      for (int32_t t : seqs[i])
+        if (t >= vocab_size_) bad_request("prompt", "token id {} is out of the vocabulary (size {})", t, vocab_size_);
+      if (starts[i] >= len)
+        bad_request("start", "sequence {} of {} tokens has no token to score from position {}", i, len, starts[i]);
+      if (len > max_len)
+        bad_request("prompt", "This model's maximum context length is {} tokens. However, sequence {} has {} tokens.",
+                    max_len, i, len);
     }
-    const int64_t len = static_cast<int64_t>(seqs[i].size());
-    for (int32_t t : seqs[i])
-      if (t >= vocab_size_) bad_request("prompt", "token id {} is out of the vocabulary (size {})", t, vocab_size_);
-    if (starts[i] >= len)
-      bad_request("start", "sequence {} of {} tokens has no token to score from position {}", i, len, starts[i]);
-    if (len > max_len)
-      bad_request("prompt", "This model's maximum context length is {} tokens. However, sequence {} has {} tokens.",
-                  max_len, i, len);
+  };
+  if (off_thread_) {
+    if (!co_await off_thread_(ex, prepare)) co_return;
+  } else {
+    const std::atomic<bool> never{false};
+    prepare(never);
   }
+  const size_t P = r.prompts.size();
 
   std::vector<std::shared_ptr<RequestStream>> reqs;
   const auto notify = ex.notifier();

@@ -3,7 +3,9 @@
 // log-probability of every given token of a sequence through the engine that generates (docs/serving.md). Weight
 // updates are not here yet.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -21,6 +23,12 @@ class RlApi {
         ServerMetrics& metrics)
       : model_name_(std::move(served_model_name)), tok_(tok), vocab_size_(vocab_size), loop_(loop), metrics_(metrics) {}
 
+  // Runs text work (parsing, tokenising) off the HTTP threads and waits for it; false when the client went away.
+  using OffThread = std::function<awaitable<bool>(HttpExchange&, std::function<void(const std::atomic<bool>&)>)>;
+  void set_off_thread(OffThread f) { off_thread_ = std::move(f); }
+  // More names a request's `model` may use (several --served-model-name).
+  void set_aliases(std::vector<std::string> aliases) { aliases_ = std::move(aliases); }
+
   static bool handles(const std::string& path);
   // Throws ApiError for a bad request (the caller replies with it).
   awaitable<void> handle(HttpExchange& ex);
@@ -35,6 +43,8 @@ class RlApi {
   int64_t vocab_size_;
   EngineLoop& loop_;
   ServerMetrics& metrics_;
+  OffThread off_thread_;
+  std::vector<std::string> aliases_;
 };
 
 }  // namespace kestrel::server

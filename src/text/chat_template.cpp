@@ -3,6 +3,7 @@
 #include <ctime>
 #include <fstream>
 #include <sstream>
+#include <unordered_set>
 
 #include "core/error.h"
 
@@ -97,16 +98,31 @@ std::string ChatTemplate::render(const ordered_json& messages, const ordered_jso
   d.set("tools", jinja::Value::from_json(tools));
   d.set("documents", jinja::Value::none());
   d.set("add_generation_prompt", jinja::Value(add_generation_prompt));
-  if (extra.is_object())
-    for (const auto& [k, v] : extra.items()) d.set(k, jinja::Value::from_json(v));
+  if (extra.is_object()) {
+    // set() searches the keys it holds: fine for the globals, quadratic for a request's chat_template_kwargs of
+    // thousands of keys (unique among themselves, being a JSON object's). Only a key the context already has is
+    // searched for.
+    std::unordered_set<std::string> held;
+    for (const auto& [k, v] : d.items) held.insert(k);
+    for (const auto& [k, v] : extra.items()) {
+      if (held.count(k)) d.set(k, jinja::Value::from_json(v));
+      else d.items.emplace_back(k, jinja::Value::from_json(v));
+    }
+  }
   return tmpl_.render(d, limits);
 }
 
 std::string ChatTemplate::render_context(const ordered_json& context, const jinja::Limits& limits) const {
   jinja::DictData d = base_;
   if (!context.is_object() && !context.is_null()) fail("template context must be an object");
-  if (context.is_object())
-    for (const auto& [k, v] : context.items()) d.set(k, jinja::Value::from_json(v));
+  if (context.is_object()) {
+    std::unordered_set<std::string> held;
+    for (const auto& [k, v] : d.items) held.insert(k);
+    for (const auto& [k, v] : context.items()) {
+      if (held.count(k)) d.set(k, jinja::Value::from_json(v));
+      else d.items.emplace_back(k, jinja::Value::from_json(v));
+    }
+  }
   return tmpl_.render(d, limits);
 }
 

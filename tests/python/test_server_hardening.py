@@ -251,3 +251,52 @@ def test_client_leaving_cancels_its_render(tiny_dir, tmp_path):  # noqa: F811
         assert waited < full / 2, (waited, full)
     finally:
         assert s.stop() == 0
+
+
+def test_objects_of_many_keys_are_refused(server):
+    # chat_template_kwargs of 5000 keys: parsing such an object costs quadratic time; it is refused while read.
+    kwargs = {f"k{i}": i for i in range(5000)}
+    status, r = h.post(server.url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user",
+                                                            "content": "x"}], "chat_template_kwargs": kwargs})
+    assert status == 400
+    assert "more than 1024 keys" in r["error"]["message"]
+    status, r = h.post(server.url + "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "chat_template_kwargs": {f"k{i}": i for i in range(1000)}})
+    assert status == 200, r
+
+
+def test_slow_body_is_closed(tiny_dir):  # noqa: F811
+    s = h.Server(tiny_dir, "--http-header-timeout", 1, "--http-body-min-rate", 1000)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            # 10 bytes of a 1 MB body, then silence: at 1000 bytes/s after 1 s of grace it cannot make it.
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000000\r\n\r\n{\"prompt\":")
+            assert c.recv(4096) == b""  # closed (a 30 s socket timeout would raise; it waited 300 s before)
+        assert s.get("/health")[0] == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_full_text_queue_answers_429(tiny_dir, tmp_path):  # noqa: F811
+    tmpl = tmp_path / "slow.jinja"
+    tmpl.write_text("{% for i in range(5000000) %}{% set s = i ~ 'abc' %}{% endfor %}{{ messages[0].content }}")
+    s = h.Server(tiny_dir, "--chat-template", tmpl, "--text-threads", 1, "--max-text-queue", 1)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    results = []
+    try:
+        # One render runs, one waits in the queue of 1; a third is refused at once.
+        threads = [threading.Thread(target=lambda: results.append(h.post(s.url + "/v1/chat/completions", chat)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        status, r = h.post(s.url + "/v1/chat/completions", chat)
+        assert status == 429, r
+        assert r["error"]["type"] == "RateLimitError"
+        for t in threads:
+            t.join(120)
+        assert sorted(st for st, _ in results) == [400, 400]  # both rendered to their step budget
+    finally:
+        assert s.stop() == 0

@@ -157,3 +157,12 @@ def test_max_model_len_binary_suffix(tiny_dir):  # noqa: F811
         assert json.loads(s.get("/v1/models")[1])["data"][0]["max_model_len"] == 1024
     finally:
         assert s.stop() == 0
+
+
+def test_score_tokens_takes_every_name(server):
+    for name in ["tiny", "alias-a"]:
+        status, r = h.post(server.url + "/v1/score_tokens", {"model": name, "prompt": "hello world"})
+        assert status == 200, r
+        assert len(r["data"][0]["logprobs"]) == len(r["data"][0]["token_ids"]) >= 1
+    status, r = h.post(server.url + "/v1/score_tokens", {"model": "other", "prompt": "hello world"})
+    assert status == 404

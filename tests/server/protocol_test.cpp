@@ -137,5 +137,42 @@ TEST(Protocol, BodyMustBeAJsonObject) {
   EXPECT_THROW(parse_body(nested(kMaxJsonDepth)), ApiError);
 }
 
+// Issue 21: wrong JSON types and numbers out of range were uncaught nlohmann exceptions (500s); objects of very
+// many keys cost quadratic time to parse.
+TEST(Protocol, OutOfRangeNumbersWrongTypesAndHugeObjectsAre400) {
+  auto status_of = [](const std::string& body, bool chat) {
+    try {
+      const Json j = parse_body(body);
+      if (chat) parse_chat_request(j);
+      else parse_completion_request(j);
+    } catch (const ApiError& e) {
+      return e.status();
+    }
+    return 200;
+  };
+  EXPECT_EQ(status_of(R"({"prompt": "x", "max_tokens": 1e400})", false), 400);
+  EXPECT_EQ(status_of(R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": 5, "function": {"name": "f"}}]})", true), 400);
+  EXPECT_EQ(status_of(R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": [], "function": {"name": "f"}}})",
+                      true),
+            400);
+  auto object_of = [](int keys) {
+    std::string o = "{";
+    for (int i = 0; i < keys; ++i) o += fmt::format("{}\"k{}\": {}", i ? ", " : "", i, i);
+    return o + "}";
+  };
+  EXPECT_EQ(parse_body(R"({"chat_template_kwargs": )" + object_of(kMaxJsonObjectKeys) + "}")["chat_template_kwargs"]
+                .size(),
+            static_cast<size_t>(kMaxJsonObjectKeys));
+  try {
+    parse_body(R"({"chat_template_kwargs": )" + object_of(kMaxJsonObjectKeys + 1) + "}");
+    ADD_FAILURE() << "no error";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_NE(std::string(e.what()).find("more than 1024 keys"), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace kestrel::server
