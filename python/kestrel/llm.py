@@ -26,8 +26,6 @@ _NOT_YET = {
     "enable_sleep_mode": (False, "sleep mode (releasing and restoring the GPU's weights and cache) is not "
                                  "implemented yet"),
     "quantization": (None, "on-the-fly quantization is not implemented (FP8 / MXFP4 checkpoints load as they are)"),
-    "speculative_config": (None, "speculative decoding is not in the Python API yet (kestrel generate / serve "
-                                 "--speculative-config run it on the CPU)"),
     "cpu_offload_gb": (0, "CPU offload of weights is not implemented"),
 }
 # vLLM arguments that have no effect here (what they control is fixed or does not exist in Kestrel).
@@ -77,6 +75,7 @@ class LLM:
         dtype: str = "auto",
         load_format: str = "auto",
         hf_overrides: dict | None = None,
+        speculative_config: dict | None = None,
         **kwargs: Any,
     ):
         for name, value in kwargs.items():
@@ -111,6 +110,9 @@ class LLM:
             "scheduling_policy": scheduling_policy,
             "load_format": load_format,
             "hf_overrides": json.dumps(hf_overrides or {}),
+            # vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, ...), checked as
+            # --speculative-config is: an error names the field. Runs on the CPU (method "ngram").
+            "speculative_config": json.dumps(speculative_config) if speculative_config else None,
         }
         self.model = model
         self.batch_invariant = bool(batch_invariant)
@@ -130,7 +132,8 @@ class LLM:
         return self._session.reset_prefix_cache()
 
     def stats(self) -> dict:
-        """Engine counters: steps, computed and generated tokens, preemptions, prefix-cache hit tokens."""
+        """Engine counters: steps, computed and generated tokens, preemptions, prefix-cache hit tokens, and the
+        speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
         return self._session.stats()
 
     def sleep(self, level: int = 1) -> None:

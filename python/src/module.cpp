@@ -6,6 +6,7 @@
 
 #include "cli/device.h"
 #include "core/error.h"
+#include "engine/spec_decode.h"
 #include "llm_session.h"
 
 namespace py = pybind11;
@@ -57,6 +58,9 @@ SessionOptions session_options(const py::dict& d) {
   take(d, "scheduling_policy", policy);
   if (policy == "priority") e.policy = SchedulingPolicy::priority;
   else if (policy != "fcfs") fail("scheduling_policy '{}' is not one of fcfs, priority", policy);
+  std::string speculative_config;  // JSON, as --speculative-config
+  take(d, "speculative_config", speculative_config);
+  if (!speculative_config.empty()) e.speculative = parse_speculative_config(speculative_config);
   return o;
 }
 
@@ -178,6 +182,9 @@ PYBIND11_MODULE(_kestrel, m) {
         d["preemptions"] = st.preemptions;
         d["prefix_hit_tokens"] = st.prefix.hit_tokens;
         d["prefix_query_tokens"] = st.prefix.query_tokens;
+        d["spec_decode_num_drafts"] = st.spec.num_drafts;
+        d["spec_decode_num_draft_tokens"] = st.spec.num_draft_tokens;
+        d["spec_decode_num_accepted_tokens"] = st.spec.num_accepted_tokens;
         return d;
       });
 }

@@ -176,3 +176,35 @@ def test_rl_loop_scoring_equals_rollout_bit_for_bit(kestrel, models, arch, capsy
         previous = rollouts
     hits = sum(llm.stats()["prefix_hit_tokens"] for llm in llms)
     assert total > 1000 and hits > 0
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear", "deepseek_v32"])
+def test_speculative_config_greedy_equals_plain(kestrel, models, arch):
+    """LLM(speculative_config=...) with the n-gram drafter: greedy tokens and log-probabilities equal the run without
+    speculation bit for bit, and drafts were made and verified (a strong repetition penalty below 1 makes the random
+    tiny model repeat itself, so prompt lookup finds matches)."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}, {"prompt_token_ids": [9, 10, 11, 9, 10, 11, 9]}]
+    params = kestrel.SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True,
+                                    repetition_penalty=0.05)
+    plain = kestrel.LLM(models[arch], max_model_len=128)
+    spec = kestrel.LLM(models[arch], max_model_len=128,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert {t: bits(v.logprob) for t, v in lw.items()} == {t: bits(v.logprob) for t, v in lg.items()}
+    st = spec.stats()
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_draft_tokens"] >= st["spec_decode_num_drafts"]
+    assert 0 < st["spec_decode_num_accepted_tokens"] <= st["spec_decode_num_draft_tokens"]
+    assert plain.stats()["spec_decode_num_drafts"] == 0
+
+
+def test_speculative_config_errors_name_the_field(kestrel, models):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        kestrel.LLM(models["kimi_k3"], speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="method"):
+        kestrel.LLM(models["kimi_k3"], speculative_config={"method": "eagle9", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not built yet"):
+        kestrel.LLM(models["kimi_k3"], speculative_config={"method": "dspark", "num_speculative_tokens": 2})
