@@ -108,6 +108,7 @@ LinearW CpuBackend::tied_head(EmbeddingW table) {
 
 LinearW CpuBackend::add_linear(std::span<const StoredLinear> parts) {
   linears_.push_back(std::make_shared<CpuLinear>(decode(parts)));
+  add_sites(parts, static_cast<int32_t>(linears_.size() - 1), -1, 0, 0);
   const CpuLinear& l = *linears_.back();
   return LinearW{static_cast<int32_t>(linears_.size() - 1), l.out(), l.in()};
 }
@@ -147,12 +148,99 @@ MoeW CpuBackend::add_moe(const MoeSpec& s) {
   for (int e = 0; e < s.n_experts; ++e) {
     for (auto [from, to] : {std::pair{&s.gate, &m.gate}, std::pair{&s.up, &m.up}, std::pair{&s.down, &m.down}}) {
       to->push_back(decode(std::span(&(*from)[e], 1)));
+      add_sites(std::span(&(*from)[e], 1), -1, static_cast<int32_t>(moe_.size()), e,
+                from == &s.gate ? 0 : from == &s.up ? 1 : 2);
       if (!keep_fp8)
         for (CpuLinear::Part& p : to->back().parts) p.fp8.reset();
     }
   }
   moe_.push_back(std::move(m));
   return MoeW{static_cast<int32_t>(moe_.size() - 1)};
+}
+
+void CpuBackend::add_sites(std::span<const StoredLinear> parts, int32_t linear, int32_t moe, int expert, int which) {
+  int64_t row0 = 0;
+  for (const StoredLinear& p : parts) {
+    std::string name = p.weight.name;
+    for (const char* tail : {".weight_packed", ".weight"}) {
+      const std::string t = tail;
+      if (name.size() > t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0) {
+        name.resize(name.size() - t.size());
+        break;
+      }
+    }
+    sites_[name] = Site{linear, moe, expert, which, row0, p.out, p.in};
+    row0 += p.out;
+  }
+}
+
+void CpuBackend::load_lora(int32_t id, const LoraAdapter& adapter) {
+  const std::string file = adapter.path + "/adapter_model.safetensors";
+  KESTREL_CHECK(adapter.rank >= 1 && adapter.rank <= kMaxLoraRank, "{}: rank {} is outside [1, {}]", adapter.path,
+                adapter.rank, kMaxLoraRank);
+  Lora l;
+  l.scale = adapter.scale;
+  for (const auto& [module, m] : adapter.modules) {
+    const auto it = sites_.find(module);
+    KESTREL_CHECK(it != sites_.end(),
+                  "{}: tensor 'base_model.model.{}.lora_A.weight' adapts '{}', which is not a linear layer of this "
+                  "model that LoRA can adapt",
+                  file, module, module);
+    const Site& s = it->second;
+    KESTREL_CHECK(m.in == s.in, "{}: tensor 'base_model.model.{}.lora_A.weight' has input width {}, the layer takes {}",
+                  file, module, m.in, s.in);
+    KESTREL_CHECK(m.out == s.out, "{}: tensor 'base_model.model.{}.lora_B.weight' has output width {}, the layer has {}",
+                  file, module, m.out, s.out);
+    LoraDelta d{s.row0, s.out, s.in, adapter.rank, m.a, m.b};
+    if (s.linear >= 0) l.linear[s.linear].push_back(std::move(d));
+    else l.expert[{s.moe, s.expert, s.which}] = std::move(d);
+  }
+  loras_[id] = std::move(l);
+}
+
+const CpuBackend::Lora& CpuBackend::lora(int32_t id) const {
+  const auto it = loras_.find(id);
+  KESTREL_CHECK(it != loras_.end(), "LoRA adapter {} is not loaded", id);
+  return it->second;
+}
+
+void CpuBackend::LoraDelta::apply(float scale, const float* x, float* y) const {
+  float u[kMaxLoraRank];
+  for (int j = 0; j < rank; ++j) {
+    const float* aj = a.data() + int64_t{j} * in;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < in; ++i) acc += aj[i] * x[i];
+    u[j] = acc;
+  }
+  for (int64_t o = 0; o < out; ++o) {
+    const float* bo = b.data() + o * rank;
+    float acc = 0.0f;
+    for (int j = 0; j < rank; ++j) acc += bo[j] * u[j];
+    y[row0 + o] += scale * acc;
+  }
+}
+
+float* CpuBackend::module_weight(const std::string& module, int64_t* out, int64_t* in) {
+  const auto it = sites_.find(module);
+  KESTREL_CHECK(it != sites_.end(), "'{}' is not a linear layer of the model", module);
+  const Site& s = it->second;
+  if (out) *out = s.out;
+  if (in) *in = s.in;
+  if (s.linear >= 0) return linears_.at(s.linear)->w.ptr() + s.row0 * s.in;
+  Moe& m = moe_.at(s.moe);
+  std::vector<CpuLinear>& v = s.which == 0 ? m.gate : s.which == 1 ? m.up : m.down;
+  return v.at(s.expert).w.ptr();
+}
+
+std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> CpuBackend::lora_modules() const {
+  const std::vector<std::string>& names = lora_target_names();
+  std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> out;
+  for (const auto& [module, s] : sites_) {
+    const size_t dot = module.rfind('.');
+    if (dot != std::string::npos && std::find(names.begin(), names.end(), module.substr(dot + 1)) != names.end())
+      out.push_back({module, {s.out, s.in}});
+  }
+  return out;
 }
 
 void CpuBackend::linear(const CpuLinear& l, const float* x, int64_t T, float* y) const {

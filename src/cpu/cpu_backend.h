@@ -3,7 +3,9 @@
 // the model's graph over the reference kernels (src/kernels/cpu) in fp32. A step's activations live in host buffers
 // of its own, so that several threads may run steps of one model at once (the simulated ranks of src/parallel).
 #pragma once
+#include <map>
 #include <memory>
+#include <tuple>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "kernels/cpu/moe.h"
 #include "model/backend.h"
 #include "model/model.h"
+#include "model/lora.h"
 
 namespace kestrel {
 
@@ -71,6 +74,31 @@ class CpuBackend final : public Backend {
   const Moe& moe(MoeW w) const { return moe_.at(w.id); }
   const std::vector<float>& rope_inv_freq() const { return inv_freq_; }
 
+  // LoRA (Backend::load_lora): per adapter, the deltas of each adapted linear weight (by LinearW id) and routed
+  // expert (by MoeW id, expert, gate / up / down), applied per token in fp32: y[row0 + o] += scale * B (A x).
+  void load_lora(int32_t id, const LoraAdapter& adapter) override;
+  void unload_lora(int32_t id) override { loras_.erase(id); }
+  struct LoraDelta {
+    int64_t row0 = 0, out = 0, in = 0;
+    int rank = 0;
+    std::vector<float> a, b;  // [rank, in], [out, rank]
+    // y[row0 .. row0 + out) += scale * B (A x), the sums in a fixed order (fp32).
+    void apply(float scale, const float* x, float* y) const;
+  };
+  struct Lora {
+    float scale = 1.0f;
+    std::map<int32_t, std::vector<LoraDelta>> linear;
+    std::map<std::tuple<int32_t, int, int>, LoraDelta> expert;  // (MoeW id, expert, 0 gate / 1 up / 2 down)
+  };
+  const Lora& lora(int32_t id) const;
+  // The fp32 rows [out, in] of the linear weight (or routed expert's) `module` (e.g.
+  // "model.layers.0.self_attn.o_proj") as this backend computes with them (tests build merged weights in them;
+  // with gpu_numerics FP8 parts compute from their codes instead). Error for a name that is not one.
+  float* module_weight(const std::string& module, int64_t* out = nullptr, int64_t* in = nullptr);
+  // Every module an adapter may target in this model (lora_target_names), with its (out, in): what a random
+  // adapter for it covers.
+  std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> lora_modules() const;
+
   // A diagnostic for comparisons with other backends: while set, every MoE layer writes, at each token's position p,
   // by_position[p] = min(by_position[p], cpu::moe_route_margin of its routing) (the vector grows with +infinity).
   // Where that margin is within rounding noise, an implementation that rounds otherwise may pick other experts.
@@ -91,6 +119,17 @@ class CpuBackend final : public Backend {
   std::vector<float> inv_freq_;
   size_t weight_bytes_ = 0;
   mutable std::vector<float>* route_margins_ = nullptr;
+  // Where each linear weight of the model is, by module path (the stored weight's name less ".weight"): LoRA's
+  // targets.
+  struct Site {
+    int32_t linear = -1;  // a LinearW id, or
+    int32_t moe = -1;     // a MoeW id with its expert and 0 gate / 1 up / 2 down
+    int expert = 0, which = 0;
+    int64_t row0 = 0, out = 0, in = 0;
+  };
+  void add_sites(std::span<const StoredLinear> parts, int32_t linear, int32_t moe, int expert, int which);
+  std::map<std::string, Site> sites_;
+  std::map<int32_t, Lora> loras_;
 };
 
 // A model on the CPU backend: Model::load(dir, opts, a new CpuBackend, lo).

@@ -24,6 +24,14 @@ class CpuStep final : public StepOps {
     pos_.resize(static_cast<size_t>(N_));
     for (size_t i = 0; i < batch.seqs.size(); ++i)
       for (int64_t t = 0; t < first_[i + 1] - first_[i]; ++t) pos_[first_[i] + t] = batch.seqs[i].start + t;
+    // Each token's LoRA adapter (nullptr: none).
+    lora_.assign(static_cast<size_t>(N_), nullptr);
+    for (size_t i = 0; i < batch.seqs.size(); ++i)
+      if (batch.seqs[i].lora != 0) {
+        const CpuBackend::Lora* l = &be.lora(batch.seqs[i].lora);
+        for (int64_t t = first_[i]; t < first_[i + 1]; ++t) lora_[t] = l;
+        any_lora_ = true;
+      }
   }
 
   int64_t tokens() const override { return N_; }
@@ -60,7 +68,16 @@ class CpuStep final : public StepOps {
     const CpuLinear& l = be_.linear_weight(w);
     KESTREL_CHECK(x.cols == l.in(), "a linear layer of input width {} applied to {} columns", l.in(), x.cols);
     const Act y = alloc(l.out());
-    be_.linear(l, contiguous(x).data(), N_, row(y, 0));
+    const std::vector<float> xc = contiguous(x);
+    be_.linear(l, xc.data(), N_, row(y, 0));
+    // LoRA: each token through its own adapter's deltas of this weight, after the base product.
+    if (any_lora_)
+      for (int64_t t = 0; t < N_; ++t) {
+        if (!lora_[t]) continue;
+        const auto it = lora_[t]->linear.find(w.id);
+        if (it == lora_[t]->linear.end()) continue;
+        for (const CpuBackend::LoraDelta& d : it->second) d.apply(lora_[t]->scale, xc.data() + t * x.cols, row(y, t));
+      }
     return y;
   }
 
@@ -122,8 +139,21 @@ class CpuStep final : public StepOps {
       for (int64_t r = 0; r < M; ++r) std::copy_n(xin_all.data() + (slots[r] / K) * D, D, xin.data() + r * D);
       be_.linear(m.gate[e], xin.data(), M, g.data());
       be_.linear(m.up[e], xin.data(), M, u.data());
+      // LoRA on the routed experts: each row (a token's slot) through its token's adapter's deltas of this expert.
+      auto expert_lora = [&](int which, const float* in, int64_t in_w, float* outp, int64_t out_w) {
+        if (!any_lora_) return;
+        for (int64_t r = 0; r < M; ++r) {
+          const CpuBackend::Lora* l = lora_[slots[r] / K];
+          if (!l) continue;
+          const auto it = l->expert.find({w.id, e, which});
+          if (it != l->expert.end()) it->second.apply(l->scale, in + r * in_w, outp + r * out_w);
+        }
+      };
+      expert_lora(0, xin.data(), D, g.data(), F);
+      expert_lora(1, xin.data(), D, u.data(), F);
       cpu::swiglu(g.data(), u.data(), g.data(), static_cast<int64_t>(g.size()));
       be_.linear(m.down[e], g.data(), M, out.data());
+      expert_lora(2, g.data(), F, out.data(), D);
       for (int64_t r = 0; r < M; ++r) std::copy_n(out.data() + r * D, D, slot_out.data() + slots[r] * D);
     }
     const Act y = alloc(D);
@@ -238,6 +268,8 @@ class CpuStep final : public StepOps {
   float* logits_;
   int64_t N_ = 0;
   std::vector<int64_t> first_, pos_;
+  std::vector<const CpuBackend::Lora*> lora_;  // per token
+  bool any_lora_ = false;
   std::vector<Buffer> bufs_;
   std::vector<size_t> marks_;
 };

@@ -127,11 +127,15 @@ RequestId Engine::add_request(std::vector<int32_t> prompt, const SamplingParams&
                 "request of {} prompt tokens + max_tokens {} exceeds max_model_len {} (what the cache holds for one "
                 "sequence)",
                 P, params.max_tokens, max_model_len_);
+  KESTREL_CHECK(params.lora_id >= 0, "lora_id must be >= 0, got {}", params.lora_id);
+  KESTREL_CHECK(params.lora_id == 0 || model_.has_lora(params.lora_id), "LoRA adapter {} is not loaded",
+                params.lora_id);
   auto r = std::make_unique<Request>();
   r->id = next_id_++;
   r->params = params;
   r->priority = priority;
-  r->cache_key = cache_key;
+  // Prefixes are shared only among requests of the same adapter weights (the key changes when they are reloaded).
+  r->cache_key = cache_key ^ (model_.lora_key(params.lora_id) * 0x9E3779B97F4A7C15ull);
   r->keep_logits = keep_logits;
   r->arrival = r->id;
   r->prompt = std::move(prompt);

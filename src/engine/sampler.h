@@ -35,6 +35,8 @@ struct SamplingParams {
   bool ignore_eos = false;
   // Structured output: each completion's tokens are those its grammar allows (null: unconstrained).
   std::shared_ptr<const grammar::OutputConstraint> constraint;
+  // The LoRA adapter the request runs through (Model::load_lora); 0: the base model.
+  int32_t lora_id = 0;
 
   // Error naming the first invalid field. max_tokens may be 0 only with prompt_logprobs (a request that only scores
   // its prompt).

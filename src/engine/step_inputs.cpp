@@ -35,7 +35,8 @@ StepInputs step_inputs(const StepPlan& plan, int block_size) {
                                slots,
                                s.rows.state_rows,
                                in.checkpoints[i],
-                               x.logits_from};
+                               x.logits_from,
+                               s.request->params.lora_id};
     in.wanted_logits += x.count - x.logits_from;
   }
   return in;

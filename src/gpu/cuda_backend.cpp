@@ -547,6 +547,8 @@ void sample(CudaState& st, std::span<const SampleRow> rows, std::vector<SampledT
 
 void CudaBackend::run_step(const StepBatch& batch, const std::function<void(StepOps&)>& graph,
                            const StepResults& results) {
+  for (const SequenceStep& q : batch.seqs)
+    KESTREL_CHECK(q.lora == 0, "the CUDA backend does not run LoRA adapters yet (a request with adapter {})", q.lora);
   CudaState& st = *s_;
   const auto t0 = Clock::now();
   if (!st.prepare_tables(batch)) {

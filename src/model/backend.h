@@ -28,6 +28,7 @@ struct ModelOptions;
 struct SampleRow;
 struct SampledToken;
 struct SamplingParams;
+struct LoraAdapter;  // model/lora.h
 
 // ---------------------------------------------------------------- handles
 
@@ -180,6 +181,13 @@ class Backend {
   virtual MoeW add_moe(const MoeSpec& spec) = 0;
   // Every weight is in: uploads still in flight finish here.
   virtual void finalize_weights() = 0;
+
+  // -- LoRA adapters (model/lora.h): a step's sequence with SequenceStep::lora = id adds scale * B (A x) to each
+  // linear layer the adapter names. load_lora checks every module against the model's layers (Error naming the
+  // adapter's file and tensor) and replaces the adapter `id` had, if any; a backend without LoRA refuses it, and
+  // refuses a step with an adapter.
+  virtual void load_lora(int32_t id, const LoraAdapter& adapter);
+  virtual void unload_lora(int32_t /*id*/) {}
 
   // -- One step: the backend takes the step's sequences, runs `graph` over its ops (unless it replays a recording of
   // it: the CUDA backend replays CUDA graphs for steps of single generated tokens) and hands back `results`.

@@ -162,6 +162,7 @@ void Model::check_step(const StepBatch& batch) const {
   for (const SequenceStep& s : batch.seqs) {
     const int64_t n = static_cast<int64_t>(s.ids.size()), end = s.start + n;
     KESTREL_CHECK(n > 0, "a step needs at least one token per sequence");
+    KESTREL_CHECK(s.lora == 0 || has_lora(s.lora), "LoRA adapter {} is not loaded", s.lora);
     KESTREL_CHECK(static_cast<int64_t>(s.slots.size()) == n, "{} slots for {} tokens", s.slots.size(), n);
     KESTREL_CHECK(plan.num_token_layers == 0 || static_cast<int64_t>(s.block_table.size()) * plan.block_size >= end,
                   "a block table of {} blocks cannot hold {} tokens", s.block_table.size(), end);
@@ -200,7 +201,31 @@ SequenceState Model::new_sequence() const {
   return s;
 }
 
-void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only) const {
+void Model::load_lora(int32_t id, const LoraAdapter& adapter) {
+  KESTREL_CHECK(id > 0, "a LoRA adapter id must be positive, got {}", id);
+  backend_->load_lora(id, adapter);
+  lora_keys_[id] = (++lora_loads_ << 32) ^ static_cast<uint32_t>(id);
+}
+
+void Model::unload_lora(int32_t id) {
+  KESTREL_CHECK(has_lora(id), "LoRA adapter {} is not loaded", id);
+  backend_->unload_lora(id);
+  lora_keys_.erase(id);
+}
+
+uint64_t Model::lora_key(int32_t id) const {
+  if (id == 0) return 0;
+  const auto it = lora_keys_.find(id);
+  KESTREL_CHECK(it != lora_keys_.end(), "LoRA adapter {} is not loaded", id);
+  return it->second;
+}
+
+void Backend::load_lora(int32_t id, const LoraAdapter&) {
+  fail("the {} backend does not run LoRA adapters (adapter {})", name(), id);
+}
+
+void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only,
+                    int32_t lora) const {
   KESTREL_CHECK(T > 0, "forward needs at least one token");
   const CachePlan& plan = sequence_plan_;
   const int64_t B = plan.block_size, S = plan.state_rows_per_request, end = seq.num_tokens + T;
@@ -215,7 +240,7 @@ void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* lo
     slots[t] = (S + p / B) * B + p % B;
   }
   const SequenceStep step{std::span(ids, T), seq.num_tokens, T > 1, block_table, slots, state_rows, {},
-                          last_only ? T - 1 : 0};
+                          last_only ? T - 1 : 0, lora};
   forward(StepBatch{seq.rows.data(), &plan, std::span(&step, 1)}, logits);
   seq.num_tokens = end;
 }

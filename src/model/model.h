@@ -4,6 +4,7 @@
 // One graph per architecture family: model/kimi.cpp (kimi_linear, kimi_k3) and model/deepseek_v32.cpp name the
 // tensors; the decoder below is the same for all three.
 #pragma once
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -66,6 +67,7 @@ struct SequenceStep {
   // per-position slots are at every position).
   std::span<const CheckpointTarget> checkpoints;
   int64_t logits_from = 0;               // logits are wanted for new tokens [logits_from, ids.size())
+  int32_t lora = 0;                      // the LoRA adapter of the request (Model::load_lora); 0: none
 };
 
 // A step over the rows of one cache pool laid out by `plan` (in the backend's memory).
@@ -144,7 +146,18 @@ class Model {
   SequenceState new_sequence() const;
   // Feeds T tokens at positions seq.num_tokens...; a call with T > 1 is a prompt, a single token a generated one.
   // Writes logits [T, vocab] for every position, or only for the last one (logits [1, vocab]) when last_only.
-  void forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only = false) const;
+  // With lora != 0, through that adapter.
+  void forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only = false,
+               int32_t lora = 0) const;
+
+  // LoRA adapters, by id > 0 (a request's SamplingParams::lora_id): load_lora hands the adapter to the backend (which
+  // checks it against the layers) and replaces the weights an id had (the RL weight sync between steps).
+  void load_lora(int32_t id, const LoraAdapter& adapter);
+  void unload_lora(int32_t id);
+  bool has_lora(int32_t id) const { return lora_keys_.count(id) > 0; }
+  // A value that changes with every load of adapter `id` (0 for none): requests mix it into their prefix-cache key,
+  // so that cached prefixes are shared only by requests of the same adapter weights.
+  uint64_t lora_key(int32_t id) const;
 
   const std::vector<DecoderLayer>& layers() const { return layers_; }
 
@@ -164,6 +177,8 @@ class Model {
   LinearW lm_head_;
   VecW final_norm_;
   std::vector<DecoderLayer> layers_;
+  std::map<int32_t, uint64_t> lora_keys_;
+  uint64_t lora_loads_ = 0;
 };
 
 // What each layer of `cfg` keeps in the cache in the formats of `opts`, per GPU with `tp` GPUs sharing KDA heads.
