@@ -5,6 +5,8 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "cpu/cpu_backend.h"
+#include "model/lora.h"
 #include "model/make_model.h"
 #include "model/model.h"
 
@@ -12,8 +14,9 @@ namespace kestrel::cli {
 
 Runner add_make_model(CLI::App& app) {
   struct Args {
-    std::string arch, preset = "tiny", out, hf_overrides;
+    std::string arch, preset = "tiny", out, hf_overrides, lora_out;
     uint64_t seed = 0;
+    int lora_rank = 8;
     bool tokenizer = false, dummy_weights = false;
   };
   auto a = std::make_shared<Args>();
@@ -26,6 +29,9 @@ Runner add_make_model(CLI::App& app) {
   mk->add_flag("--tokenizer", a->tokenizer, "also write the tokenizer and chat template of a config-only preset");
   mk->add_flag("--dummy-weights", a->dummy_weights,
                "write --load-format dummy's weights as safetensors (any preset, any size; one tensor at a time)");
+  mk->add_option("--lora-out", a->lora_out,
+                 "also write a random PEFT LoRA adapter over every module LoRA can adapt (a preset with weights)");
+  mk->add_option("--lora-rank", a->lora_rank, "the adapter's rank r (lora_alpha = 2r), 1..64");
   return [mk, a]() {
     if (!mk->parsed()) return -1;
     const Preset& p = find_preset(parse_arch(a->arch), a->preset);
@@ -43,6 +49,16 @@ Runner add_make_model(CLI::App& app) {
     std::printf("wrote %s (%s %s%s): %.3g parameters, %.3g active\n", a->out.c_str(), arch_name(p.arch),
                 p.name.c_str(), what, static_cast<double>(n.total), static_cast<double>(n.active));
     if (!p.notes.empty()) std::printf("%s\n", p.notes.c_str());
+    if (!a->lora_out.empty()) {
+      KESTREL_CHECK(p.has_weights || a->dummy_weights, "--lora-out needs a checkpoint with weights");
+      KESTREL_CHECK(a->lora_rank >= 1 && a->lora_rank <= kMaxLoraRank, "--lora-rank {} is outside [1, {}]",
+                    a->lora_rank, kMaxLoraRank);
+      const auto m = load_cpu_model(a->out);
+      const auto modules = dynamic_cast<const CpuBackend&>(m->backend()).lora_modules();
+      write_lora_adapter(a->lora_out, a->lora_rank, 2.0f * static_cast<float>(a->lora_rank), modules, a->seed + 1);
+      std::printf("wrote %s: a rank-%d LoRA adapter of %zu modules\n", a->lora_out.c_str(), a->lora_rank,
+                  modules.size());
+    }
     return 0;
   };
 }

@@ -62,9 +62,9 @@ LoraAdapter load_lora_adapter(const std::string& dir, int max_rank) {
                 cfg_path);
   a.alpha = j["lora_alpha"].get<float>();
   a.scale = a.alpha / static_cast<float>(a.rank);
-  if (j.value("use_rslora", false)) fail("{}: use_rslora is not supported", cfg_path);
-  if (j.contains("use_dora") && j["use_dora"].is_boolean() && j["use_dora"].get<bool>())
-    fail("{}: DoRA adapters (use_dora) are not supported", cfg_path);
+  auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
+  if (flag("use_rslora")) fail("{}: rank-stabilized LoRA (use_rslora) is not supported", cfg_path);
+  if (flag("use_dora")) fail("{}: DoRA adapters (use_dora) are not supported", cfg_path);
   KESTREL_CHECK(j.contains("target_modules") && j["target_modules"].is_array(),
                 "{}: 'target_modules' must be a list of module names", cfg_path);
   const std::vector<std::string>& known = lora_target_names();

@@ -29,6 +29,8 @@ class TraceBackend final : public Backend {
   KdaW add_kda(const KdaSpec& spec) override;
   MoeW add_moe(const MoeSpec& spec) override;
   void finalize_weights() override;
+  void load_lora(int32_t id, const LoraAdapter& a) override { inner_->load_lora(id, a); }
+  void unload_lora(int32_t id) override { inner_->unload_lora(id); }
   void run_step(const StepBatch& batch, const std::function<void(StepOps&)>& graph,
                 const StepResults& results) override;
   bool samples_rows(const SamplingParams& p) const override { return inner_->samples_rows(p); }

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/lora.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -72,6 +74,24 @@ TEST_F(Cli, GenerateManyPromptsWithCompletions) {
   EXPECT_EQ(objs[3]["output_ids"].size(), 4u);
   // --dump-logits is for one sequence.
   run(binary() + " generate " + dir_ + "/m --prompt-ids 1 --prompt-ids 2 --dump-logits " + dir_ + "/l.npy", &status);
+  EXPECT_NE(status, 0);
+}
+
+// make-model --lora-out: a random PEFT adapter over every module LoRA adapts, which load_lora_adapter reads.
+TEST_F(Cli, MakeModelWritesALoraAdapter) {
+  int status = 0;
+  const std::string out = run(binary() + " make-model --arch deepseek_v32 --preset tiny --out " + dir_ + "/m " +
+                                  "--lora-out " + dir_ + "/lora --lora-rank 16",
+                              &status);
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("rank-16 LoRA adapter"), std::string::npos) << out;
+  const kestrel::LoraAdapter a = kestrel::load_lora_adapter(dir_ + "/lora");
+  EXPECT_EQ(a.rank, 16);
+  EXPECT_EQ(a.scale, 2.0f);
+  EXPECT_TRUE(a.modules.count("model.layers.0.self_attn.o_proj"));
+  run(binary() + " make-model --arch deepseek_v32 --preset tiny --out " + dir_ + "/m2 --lora-out " + dir_ +
+          "/lora2 --lora-rank 65",
+      &status);
   EXPECT_NE(status, 0);
 }
 
