@@ -2,7 +2,8 @@
 LLM.score (teacher-forced log-probabilities through the engine that generates). See docs/python.md."""
 
 from .llm import LLM, Tokenizer
+from .lora_request import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "ScoreOutput", "Tokenizer"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "ScoreOutput", "Tokenizer"]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from . import _kestrel
+from .lora_request import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
 from .sampling_params import SamplingParams
 
@@ -22,7 +23,6 @@ PromptType = Union[str, dict]
 _NOT_YET = {
     "tensor_parallel_size": (1, "tensor parallelism needs the NCCL backend, which is not built yet"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not implemented"),
-    "enable_lora": (False, "LoRA adapters are not implemented yet"),
     "enable_sleep_mode": (False, "sleep mode (releasing and restoring the GPU's weights and cache) is not "
                                  "implemented yet"),
     "quantization": (None, "on-the-fly quantization is not implemented (FP8 / MXFP4 checkpoints load as they are)"),
@@ -76,6 +76,9 @@ class LLM:
         load_format: str = "auto",
         hf_overrides: dict | None = None,
         speculative_config: dict | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 1,
         **kwargs: Any,
     ):
         for name, value in kwargs.items():
@@ -114,7 +117,15 @@ class LLM:
             # --speculative-config is: an error names the field. Runs on the CPU (method "ngram").
             "speculative_config": json.dumps(speculative_config) if speculative_config else None,
         }
+        if enable_lora and not 1 <= max_lora_rank <= 64:
+            raise ValueError(f"max_lora_rank must be in [1, 64], got {max_lora_rank}")
+        if enable_lora and max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.model = model
+        self.enable_lora = bool(enable_lora)
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self._loras: dict[int, str] = {}  # loaded adapters: id -> path
         self.batch_invariant = bool(batch_invariant)
         self.max_logprobs = max_logprobs
         self._session = _kestrel.Session(model, options)
@@ -136,6 +147,48 @@ class LLM:
         speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
         return self._session.stats()
 
+    # -- LoRA ---------------------------------------------------------------------------------------------------
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """(Re)loads the adapter at lora_request.lora_path as lora_request.lora_int_id: new weights for an id already
+        loaded replace the old ones (the RL weight sync); prefixes cached under the old weights are not reused."""
+        self._check_lora(lora_request)
+        self._session.load_lora(lora_request.lora_int_id, lora_request.lora_path, self.max_lora_rank)
+        self._loras[lora_request.lora_int_id] = lora_request.lora_path
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        if lora_int_id not in self._loras:
+            return False
+        self._session.unload_lora(lora_int_id)
+        del self._loras[lora_int_id]
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self._loras)
+
+    def _check_lora(self, lora_request: Any) -> None:
+        if not self.enable_lora:
+            raise ValueError("lora_request needs LLM(enable_lora=True)")
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a kestrel.LoRARequest, got {type(lora_request)}")
+
+    def _lora_ids(self, lora_request: Any, n: int) -> list[int]:
+        """Each request's adapter id (0: none), loading adapters not loaded yet (by id, or at a new path)."""
+        if lora_request is None:
+            return [0] * n
+        reqs = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(reqs) != n:
+            raise ValueError("The lengths of prompts and lora_request must be the same.")
+        active = {r.lora_int_id for r in reqs if r is not None}
+        if len(active) > self.max_loras:
+            raise ValueError(f"{len(active)} adapters in one call, more than max_loras={self.max_loras}")
+        for r in reqs:
+            if r is not None:
+                self._check_lora(r)
+                if self._loras.get(r.lora_int_id) != r.lora_path:
+                    self.load_lora(r)
+        return [0 if r is None else r.lora_int_id for r in reqs]
+
     def sleep(self, level: int = 1) -> None:
         raise NotImplementedError("sleep: releasing the GPU's weights and cache is not implemented yet")
 
@@ -153,8 +206,6 @@ class LLM:
         lora_request: Any = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        if lora_request is not None:
-            raise NotImplementedError("lora_request: LoRA adapters are not implemented yet")
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompt_list)
@@ -166,11 +217,13 @@ class LLM:
                 raise ValueError("The lengths of prompts and sampling_params must be the same.")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError("The lengths of prompts and priority must be the same.")
+        lora_ids = self._lora_ids(lora_request, len(prompt_list))
         texts, requests = [], []
         for i, (prompt, p) in enumerate(zip(prompt_list, params)):
             text, ids = self._prompt(prompt)
             texts.append(text)
             requests.append(self._request(ids, p, 0 if priority is None else priority[i]))
+            requests[-1]["lora_id"] = lora_ids[i]
         results = self._session.generate(requests)
         return [self._request_output(text, r, p) for text, r, p in zip(texts, results, params)]
 
@@ -182,6 +235,7 @@ class LLM:
         top_logprobs: int = 0,
         start: int = 1,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoreOutput]:
         """Teacher forcing: the log-probability of every given token under the model, each given the tokens before
         it, computed by the engine that generates (same batching, cache and kernels, so a token scored from a
@@ -190,6 +244,8 @@ class LLM:
         With `responses`, sequence i is prompts[i] followed by responses[i] (token ids, or text encoded without
         special tokens), and the response tokens are scored; positions before them may come from the prefix cache.
         Without, every token of the prompt from position `start` (>= 1) on is scored.
+
+        With `lora_request`, through that adapter (as generate).
 
         Unlike vLLM's LLM.score (cross-encoder relevance scores), this scores a generative model's tokens."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
@@ -200,6 +256,7 @@ class LLM:
             raise ValueError("The lengths of prompts and responses must be the same.")
         if top_logprobs < 0 or top_logprobs > self.max_logprobs:
             raise ValueError(f"top_logprobs must be in [0, {self.max_logprobs}], got {top_logprobs}")
+        lora_ids = self._lora_ids(lora_request, len(prompt_list))
         requests, starts = [], []
         for i, prompt in enumerate(prompt_list):
             ids = list(prompt) if isinstance(prompt, list) else self._prompt(prompt)[1]
@@ -217,7 +274,7 @@ class LLM:
             starts.append(first)
             requests.append({"prompt_token_ids": ids, "max_tokens": 0, "temperature": 0.0,
                              "prompt_logprobs": top_logprobs, "prompt_logprobs_start": first,
-                             "priority": 0 if priority is None else priority[i]})
+                             "priority": 0 if priority is None else priority[i], "lora_id": lora_ids[i]})
         out = []
         for first, r in zip(starts, self._session.generate(requests)):
             lps = r["prompt_logprobs"]

@@ -4,6 +4,7 @@
 
 #include "cli/device.h"
 #include "core/error.h"
+#include "model/lora.h"
 #include "server/completion_text.h"
 
 namespace kestrel::python {
@@ -147,6 +148,13 @@ std::vector<GenerateResult> LlmSession::generate(const std::vector<GenerateReque
     results.push_back(std::move(g));
   }
   return results;
+}
+
+void LlmSession::load_lora(int32_t id, const std::string& path, int max_rank) {
+  const LoraAdapter adapter = load_lora_adapter(path, max_rank);
+  std::lock_guard lock(mu_);
+  KESTREL_CHECK(!engine_->has_unfinished(), "LoRA adapter {} cannot be loaded while requests run", id);
+  model_->load_lora(id, adapter);
 }
 
 }  // namespace kestrel::python

@@ -71,6 +71,14 @@ class LlmSession {
     return engine_->reset_prefix_cache();
   }
 
+  // LoRA adapters (model/lora.h): reads the PEFT directory and loads it as `id`, replacing the weights the id had
+  // (an Error naming the file and tensor for a bad adapter, the backend's for one without LoRA).
+  void load_lora(int32_t id, const std::string& path, int max_rank);
+  void unload_lora(int32_t id) {
+    std::lock_guard lock(mu_);
+    model_->unload_lora(id);
+  }
+
   const ModelConfig& config() const { return model_->config(); }
   int64_t max_model_len() const { return engine_->max_model_len(); }
   EngineStats stats() const {

@@ -88,6 +88,7 @@ GenerateRequest generate_request(const py::dict& d) {
   take(d, "skip_special_tokens", r.skip_special_tokens);
   take(d, "detokenize", r.detokenize);
   take(d, "priority", r.priority);
+  take(d, "lora_id", p.lora_id);
   return r;
 }
 
@@ -168,6 +169,14 @@ PYBIND11_MODULE(_kestrel, m) {
           "token_text",
           [](const LlmSession& s, int32_t id) { return py::bytes(s.token_text(id)).attr("decode")("utf-8", "replace"); },
           py::arg("token_id"))
+      .def(
+          "load_lora",
+          [](LlmSession& s, int32_t id, const std::string& path, int max_rank) {
+            py::gil_scoped_release unlocked;
+            s.load_lora(id, path, max_rank);
+          },
+          py::arg("lora_id"), py::arg("path"), py::arg("max_rank"))
+      .def("unload_lora", &LlmSession::unload_lora, py::arg("lora_id"))
       .def("reset_prefix_cache", &LlmSession::reset_prefix_cache)
       .def_property_readonly("max_model_len", &LlmSession::max_model_len)
       .def_property_readonly("vocab_size", [](const LlmSession& s) { return s.config().vocab_size; })

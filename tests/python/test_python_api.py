@@ -117,8 +117,6 @@ def test_score_by_teacher_forcing(kestrel, models):
 def test_refusals_name_what_is_missing(kestrel, models):
     with pytest.raises(TypeError, match="frobnicate"):
         kestrel.LLM(models["kimi_k3"], frobnicate=1)
-    with pytest.raises(NotImplementedError, match="enable_lora"):
-        kestrel.LLM(models["kimi_k3"], enable_lora=True)
     with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
         kestrel.LLM(models["kimi_k3"], tensor_parallel_size=2)
     with pytest.raises(NotImplementedError, match="logit_bias"):
@@ -126,8 +124,8 @@ def test_refusals_name_what_is_missing(kestrel, models):
     with pytest.raises(ValueError, match="top_p"):
         kestrel.SamplingParams(top_p=0)
     llm = kestrel.LLM(models["kimi_k3"], max_model_len=64)
-    with pytest.raises(NotImplementedError, match="lora_request"):
-        llm.generate("x", lora_request=object())
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate("x", lora_request=kestrel.LoRARequest("a", 1, "/nonexistent"))
     with pytest.raises(NotImplementedError, match="sleep"):
         llm.sleep()
     with pytest.raises(ValueError, match="max_model_len 64"):
@@ -208,3 +206,110 @@ def test_speculative_config_errors_name_the_field(kestrel, models):
         kestrel.LLM(models["kimi_k3"], speculative_config={"method": "eagle9", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="not built yet"):
         kestrel.LLM(models["kimi_k3"], speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def _random_adapter(template: str, out: str, seed: int) -> str:
+    """A copy of the PEFT adapter `template` (make-model --lora-out) with new random F32 weights."""
+    import json as _json
+    data = Path(template, "adapter_model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = _json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    rng = random.Random(seed)
+    entries, blobs, offset = {}, [], 0
+    for name in sorted(header):
+        shape = header[name]["shape"]
+        count = shape[0] * shape[1]
+        blob = struct.pack(f"<{count}f", *(rng.uniform(-0.05, 0.05) for _ in range(count)))
+        entries[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    head = _json.dumps(entries).encode()
+    head += b" " * (-len(head) % 8)
+    os.makedirs(out, exist_ok=True)
+    Path(out, "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    Path(out, "adapter_config.json").write_text(Path(template, "adapter_config.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_models(tmp_path_factory):
+    out = {}
+    for arch in ("kimi_k3", "kimi_linear", "deepseek_v32"):
+        d = tmp_path_factory.mktemp(arch + "_lora")
+        subprocess.run([kestrel_bin(), "make-model", "--arch", arch, "--preset", "tiny", "--out", str(d / "m"),
+                        "--lora-out", str(d / "a0"), "--lora-rank", "8"], check=True, capture_output=True,
+                       timeout=120)
+        out[arch] = (str(d / "m"), str(d / "a0"), d)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear", "deepseek_v32"])
+def test_lora_requests_batch_and_rl_loop(kestrel, lora_models, arch, capsys):
+    """Adapters change the output; several adapters (and none) in one call equal each alone bit for bit; a
+    rollout-then-score loop reloading the adapter with new weights every step scores with the rollout's bits."""
+    model, template, tmp = lora_models[arch]
+    llm = kestrel.LLM(model, max_model_len=128, enable_lora=True, max_lora_rank=8, max_loras=3, batch_invariant=True)
+    adapters = [kestrel.LoRARequest(f"a{i}", i + 1, _random_adapter(template, str(tmp / f"r{i}"), i)) for i in range(2)]
+    p = kestrel.SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + i, 40, 41, 42 + i]} for i in range(3)]
+    loras = [None, adapters[0], adapters[1]]
+    together = llm.generate(prompts, p, lora_request=loras)
+    alone = [llm.generate(q, p, lora_request=r)[0] for q, r in zip(prompts, loras)]
+    for a, b in zip(together, alone):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [bits(lp[t].logprob) for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
+            [bits(lp[t].logprob) for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+    same_prompt = llm.generate([prompts[0]] * 3, p, lora_request=loras)
+    assert len({bits(o.outputs[0].cumulative_logprob) for o in same_prompt}) == 3  # the adapters change the output
+    assert llm.list_loras() == [1, 2]
+    # The RL loop: rollouts through this step's weights, scored through the same weights after the update of the
+    # other id.
+    rng = random.Random(5)
+    previous, lora, total = [], None, 0
+    for step in range(12):
+        lora = kestrel.LoRARequest("policy", 1 + step % 2, _random_adapter(template, str(tmp / f"s{step}"), 100 + step))
+        llm.load_lora(lora)
+        if previous:
+            scored = llm.score([r[0] for r in previous], [r[1] for r in previous], lora_request=[r[3] for r in previous])
+            for (prompt, tokens, lps, _), s in zip(previous, scored):
+                assert s.token_ids == tokens
+                assert [bits(x) for x in s.logprobs] == [bits(x) for x in lps], f"{arch} step {step}"
+                total += len(tokens)
+        rp = kestrel.SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 6), n=rng.randint(1, 2),
+                                    seed=rng.randint(0, 2**31), logprobs=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": [rng.randint(1, 200) for _ in range(rng.randint(2, 20))]}
+                             for _ in range(rng.randint(1, 3))], rp, lora_request=lora)
+        previous = [(o.prompt_token_ids, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], lora)
+                    for o in outs for c in o.outputs]
+    with capsys.disabled():
+        print(f"[python-lora-rl] {arch}: 12 steps, {total} tokens scored equal to the rollout bit for bit (KL 0.0)")
+    assert total > 20
+    assert llm.remove_lora(2) and llm.list_loras() == [1]
+
+
+def test_lora_errors(kestrel, lora_models, tmp_path):
+    model, template, _ = lora_models["deepseek_v32"]
+    llm = kestrel.LLM(model, max_model_len=64, enable_lora=True, max_lora_rank=4)
+    with pytest.raises(ValueError, match="r = 8 is outside"):
+        llm.generate("x", lora_request=kestrel.LoRARequest("a", 1, template))
+    llm = kestrel.LLM(model, max_model_len=64, enable_lora=True, max_lora_rank=8, max_loras=1)
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        llm.generate("x", lora_request=kestrel.LoRARequest("a", 1, str(tmp_path)))
+    bad = _random_adapter(template, str(tmp_path / "bad"), 1)
+    Path(bad, "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["embed_tokens"]}')
+    with pytest.raises(ValueError, match="unknown target module 'embed_tokens'"):
+        llm.generate("x", lora_request=kestrel.LoRARequest("a", 1, bad))
+    with pytest.raises(ValueError, match="max_loras"):
+        llm.generate(["x", "y"], lora_request=[kestrel.LoRARequest("a", 1, template),
+                                               kestrel.LoRARequest("b", 2, template)])
+    with pytest.raises(ValueError, match="lora_int_id"):
+        kestrel.LoRARequest("a", 0, template)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        kestrel.LLM(model, enable_lora=True, max_lora_rank=65)
+    # Still serving, with and without the adapter.
+    assert llm.generate("x", kestrel.SamplingParams(max_tokens=2), lora_request=kestrel.LoRARequest("a", 1, template))
+    assert llm.generate("x", kestrel.SamplingParams(max_tokens=2))
