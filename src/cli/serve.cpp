@@ -86,7 +86,8 @@ int run_serve(ServeArgs& a) {
     refused.push_back("--enable-expert-parallel: expert parallelism needs NCCL multi-GPU execution, which is not "
                       "built yet (experts run on one device)");
   if (a.enable_lora)
-    refused.push_back("--enable-lora: LoRA adapters are not built yet (the engine serves the base weights only)");
+    refused.push_back("--enable-lora: the server does not serve LoRA adapters yet (the CPU engine and the Python API "
+                      "run them; the server serves the base weights only)");
   if (a.dtype != "auto" && a.dtype != "bfloat16" && a.dtype != "float32" && a.dtype != "float")
     refused.push_back(fmt::format("--dtype {}: weights are kept in their stored precision (bf16, FP8, MXFP4) and "
                                   "computed in bf16 on the GPU, fp32 on the CPU; only auto, bfloat16 and float32 are "
@@ -194,7 +195,7 @@ Runner add_serve(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--data-parallel-size", a->data_parallel_size, "refused above 1 (not built)");
   cmd->add_flag("--enable-expert-parallel", a->enable_expert_parallel, "refused (not built)");
-  cmd->add_flag("--enable-lora", a->enable_lora, "refused (LoRA is not built)");
+  cmd->add_flag("--enable-lora", a->enable_lora, "refused (the server does not serve LoRA adapters yet)");
   cmd->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
       ->capture_default_str();

@@ -139,7 +139,7 @@ def test_echo_with_logprobs_has_prompt_tokens_and_offsets_into_text(server):
 @pytest.mark.parametrize("flag,needle", [
     (["--data-parallel-size", "2"], "--data-parallel-size 2: data parallelism"),
     (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism needs NCCL"),
-    (["--enable-lora"], "--enable-lora: LoRA adapters are not built yet"),
+    (["--enable-lora"], "--enable-lora: the server does not serve LoRA adapters yet"),
     (["--dtype", "float16"], "--dtype float16: weights are kept in their stored precision"),
     (["--max-model-len", "12q"], "--max-model-len '12q' is not an integer"),
     (["--uvicorn-log-level", "loud"], "--uvicorn-log-level 'loud'"),
