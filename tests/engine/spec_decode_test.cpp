@@ -124,6 +124,25 @@ Outputs run_rounds(const Model& m, EngineConfig cfg, int max_tokens, const std::
   return r;
 }
 
+// One round of greedy requests through a fresh engine: every completion's tokens and log-probabilities in order,
+// and the engine's counters; the pool is left unreferenced and consistent.
+Outputs run_once(const Model& m, const EngineConfig& cfg, const std::vector<std::vector<int32_t>>& prompts,
+                 int max_tokens) {
+  Engine e(m, cfg);
+  for (const auto& p : prompts) e.add_request(p, greedy_with_logprobs(max_tokens));
+  const std::vector<RequestOutput> out = run_checked(e);
+  EXPECT_EQ(e.cache().pool().num_referenced(), 0);
+  e.cache().pool().check_consistency();
+  Outputs r;
+  for (size_t i = 0; i < out.size(); ++i) {
+    r.prompts.push_back(prompts[i]);
+    r.tokens.push_back(out[i].completions.at(0).token_ids);
+    r.logprobs.push_back(out[i].completions.at(0).logprobs);
+  }
+  r.stats = e.stats();
+  return r;
+}
+
 void expect_same(const Outputs& spec, const Outputs& plain) {
   ASSERT_EQ(spec.tokens.size(), plain.tokens.size());
   for (size_t i = 0; i < spec.tokens.size(); ++i) {
@@ -225,27 +244,12 @@ TEST_P(SpecPressure, PreemptedRequestsFinishWithTheSameOutputs) {
   std::vector<std::vector<int32_t>> prompts;
   const std::vector<int> lengths = {60, 62, 120, 58, 126, 20};
   for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(random_prompt(lengths[i], 20 + static_cast<uint32_t>(i)));
-  auto run = [&](const EngineConfig& c, EngineStats* st) {
-    Engine e(m, c);
-    for (const auto& p : prompts) e.add_request(p, greedy_with_logprobs(max_tokens));
-    std::vector<RequestOutput> out = run_checked(e);
-    EXPECT_EQ(e.cache().pool().num_referenced(), 0);
-    e.cache().pool().check_consistency();
-    *st = e.stats();
-    Outputs r;
-    for (size_t i = 0; i < out.size(); ++i) {
-      r.prompts.push_back(prompts[i]);
-      r.tokens.push_back(out[i].completions.at(0).token_ids);
-      r.logprobs.push_back(out[i].completions.at(0).logprobs);
-    }
-    return r;
-  };
-  EngineStats plain_stats, spec_stats;
-  const Outputs plain = run(cfg, &plain_stats);
+  const Outputs plain = run_once(m, cfg, prompts, max_tokens);
   EngineConfig sc = cfg;
   sc.speculative = ngram_config();
   sc.drafter = drafter_for(kind, plain);
-  const Outputs spec = run(sc, &spec_stats);
+  const Outputs spec = run_once(m, sc, prompts, max_tokens);
+  const EngineStats& spec_stats = spec.stats;
   EXPECT_GT(spec_stats.preemptions, 0);
   EXPECT_GT(spec_stats.spec.num_drafts, 0);
   expect_same(spec, plain);
@@ -281,26 +285,12 @@ TEST_P(SpecTight, SmallBudgetAndPoolKeepTheOutputs) {
   const int max_tokens = 20;
   std::vector<std::vector<int32_t>> prompts;
   for (uint32_t i = 0; i < 5; ++i) prompts.push_back(random_prompt(9 + 13 * static_cast<int>(i), 60 + i));
-  auto run = [&](const EngineConfig& c, EngineStats* st) {
-    Engine e(m, c);
-    for (const auto& p : prompts) e.add_request(p, greedy_with_logprobs(max_tokens));
-    const std::vector<RequestOutput> out = run_checked(e);
-    EXPECT_EQ(e.cache().pool().num_referenced(), 0);
-    *st = e.stats();
-    Outputs r;
-    for (size_t i = 0; i < out.size(); ++i) {
-      r.prompts.push_back(prompts[i]);
-      r.tokens.push_back(out[i].completions.at(0).token_ids);
-      r.logprobs.push_back(out[i].completions.at(0).logprobs);
-    }
-    return r;
-  };
-  EngineStats plain_stats, spec_stats;
-  const Outputs plain = run(cfg, &plain_stats);
+  const Outputs plain = run_once(m, cfg, prompts, max_tokens);
   EngineConfig sc = cfg;
   sc.speculative = ngram_config();
   sc.drafter = drafter_for(DrafterKind::oracle, plain);
-  const Outputs spec = run(sc, &spec_stats);
+  const Outputs spec = run_once(m, sc, prompts, max_tokens);
+  const EngineStats& spec_stats = spec.stats;
   expect_same(spec, plain);
   EXPECT_GT(spec_stats.spec.num_accepted_tokens, 0);
   EXPECT_GT(spec_stats.preemptions, 0);

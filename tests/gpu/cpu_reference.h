@@ -44,6 +44,15 @@ inline Reference cpu_alone(const Model& m, const std::vector<int32_t>& prompt, i
   return r;
 }
 
+// The smallest routing margin at position p and the two before it (a flip at p - 1 or p - 2 reaches p through the
+// cache its layers write); positions past the end of `margin` count as +infinity.
+inline float routing_margin_near(const std::vector<float>& margin, int64_t p) {
+  float m = std::numeric_limits<float>::infinity();
+  for (int64_t q = std::max<int64_t>(0, p - 2); q <= p && q < static_cast<int64_t>(margin.size()); ++q)
+    m = std::min(m, margin[q]);
+  return m;
+}
+
 // The largest |a - b| over a row of logits, divided by the reference row's largest |logit|.
 inline float row_error(const float* a, const float* ref, int64_t V) {
   float err = 0.0f, scale = 0.0f;

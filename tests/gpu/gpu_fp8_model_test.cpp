@@ -260,8 +260,7 @@ TEST(GpuFp8Model, FirstLayerMatchesCpuAtEveryPosition) {
     for (int64_t p = got.logits_first; p < static_cast<int64_t>(ids.size()); ++p) {
       const float err = gpu_test::row_error(got.logits.data() + (p - got.logits_first) * V, ref.data() + p * V, V);
       worst = std::max(worst, err);
-      float margin = std::numeric_limits<float>::infinity();
-      for (int64_t q = std::max<int64_t>(0, p - 2); q <= p; ++q) margin = std::min(margin, margins[q]);
+      const float margin = gpu_test::routing_margin_near(margins, p);
       if (k > 1) continue;
       if (err > kLogitBound && margin < kNearTieMargin) {
         ++near_ties;

@@ -35,6 +35,7 @@ namespace {
 
 using gpu_test::cpu_alone;
 using gpu_test::Reference;
+using gpu_test::routing_margin_near;
 using gpu_test::row_error;
 
 // A few tokens of one request (EveryPrefixOfTheLayersMatchesCpu): logit rows agree with the bf16-activation
@@ -123,15 +124,6 @@ void report_vs_fp32(const Model& exact, const std::vector<int32_t>& prompt, cons
 // these tests measure, ~1e-2 of a row at most) may choose other experts: biased scores are sigmoids, so a logit error
 // e moves a score by e / 4 at most.
 constexpr float kNearTieMargin = 2e-2f;
-
-// The smallest routing margin of the reference at position p and the two before it (a flip at p - 1 or p - 2 reaches p
-// through the cache its layers write).
-float routing_margin_near(const std::vector<float>& margin, int64_t p) {
-  float m = std::numeric_limits<float>::infinity();
-  for (int64_t q = std::max<int64_t>(0, p - 2); q <= p && q < static_cast<int64_t>(margin.size()); ++q)
-    m = std::min(m, margin[q]);
-  return m;
-}
 
 // Greedy tokens may first differ only where the reference's top-2 margin is within twice `tie_bound` of the row's
 // largest |logit| (a near-tie that an error of the typical size can flip: tie_bound is the case's typical
@@ -269,8 +261,7 @@ void expect_every_row(const std::vector<float>& ratios, const Spread& spread, in
   for (size_t i = 0; i < ratios.size(); ++i) {
     const int64_t p = first + static_cast<int64_t>(i);
     const float s = spread.apart.at(p);
-    float margin = std::numeric_limits<float>::infinity();
-    for (int64_t q = std::max<int64_t>(0, p - 2); q <= p; ++q) margin = std::min(margin, spread.margin.at(q));
+    const float margin = routing_margin_near(spread.margin, p);
     worst = std::max(worst, ratios[i]);
     const float b = s > bound ? 2 * s : bound;
     if (flipped_at < 0 && ratios[i] > b && margin < kNearTieMargin) {
