@@ -15,6 +15,7 @@
 #include "cli/load_flags.h"
 #include "core/error.h"
 #include "engine/spec_decode.h"
+#include "model/lora.h"
 #include "server/serve.h"
 
 namespace kestrel::cli {
@@ -44,10 +45,33 @@ int64_t human_int(const std::string& flag, const std::string& text) {
   return static_cast<int64_t>(x);
 }
 
+// One --lora-modules value, as vLLM takes it: name=path, or a JSON object {"name": ..., "path": ...,
+// "base_model_name": ...} (base_model_name is accepted and not checked: one base model is served).
+std::pair<std::string, std::string> parse_lora_module(const std::string& text) {
+  if (!text.empty() && text.front() == '{') {
+    const auto j = nlohmann::json::parse(text, nullptr, false);
+    if (!j.is_object()) fail("--lora-modules '{}' is not a JSON object", text);
+    std::string name, path;
+    for (const auto& [k, v] : j.items()) {
+      if (k != "name" && k != "path" && k != "base_model_name")
+        fail("--lora-modules: '{}' is not a field (name, path, base_model_name)", k);
+      if (!v.is_string()) fail("--lora-modules: '{}' must be a string", k);
+      if (k == "name") name = v.get<std::string>();
+      if (k == "path") path = v.get<std::string>();
+    }
+    if (name.empty() || path.empty()) fail("--lora-modules '{}' needs a name and a path", text);
+    return {name, path};
+  }
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size())
+    fail("--lora-modules '{}' is not name=path (or a JSON object with name and path)", text);
+  return {text.substr(0, eq), text.substr(eq + 1)};
+}
+
 struct ServeArgs {
   server::ServeOptions opts;
   std::string model_flag, max_model_len = "0", dtype = "auto", generation_config = "auto", uvicorn_log_level = "info";
-  std::vector<std::string> served_model_names;
+  std::vector<std::string> served_model_names, lora_modules;
   int data_parallel_size = 1;
   bool enable_expert_parallel = false, enable_lora = false, enforce_eager = false, disable_log_requests = false;
   int tensor_parallel_size = 1, decode_context_parallel_size = 1;
@@ -85,9 +109,18 @@ int run_serve(ServeArgs& a) {
   if (a.enable_expert_parallel)
     refused.push_back("--enable-expert-parallel: expert parallelism needs NCCL multi-GPU execution, which is not "
                       "built yet (experts run on one device)");
-  if (a.enable_lora)
-    refused.push_back("--enable-lora: the server does not serve LoRA adapters yet (the CPU engine and the Python API "
-                      "run them; the server serves the base weights only)");
+  if (!a.lora_modules.empty() && !a.enable_lora) fail("--lora-modules needs --enable-lora");
+  if (a.enable_lora && device == "cuda")
+    refused.push_back("--enable-lora: the CUDA backend does not run LoRA adapters yet (the CPU backend does: "
+                      "--device cpu)");
+  if (a.enable_lora) {
+    if (o.lora.max_loras < 1) fail("--max-loras must be >= 1, got {}", o.lora.max_loras);
+    if (o.lora.max_lora_rank < 1 || o.lora.max_lora_rank > kMaxLoraRank)
+      fail("--max-lora-rank {} is outside [1, {}] (the largest rank the LoRA kernels take)", o.lora.max_lora_rank,
+           kMaxLoraRank);
+    o.lora.enabled = true;
+    for (const std::string& m : a.lora_modules) o.lora_modules.push_back(parse_lora_module(m));
+  }
   if (a.dtype != "auto" && a.dtype != "bfloat16" && a.dtype != "float32" && a.dtype != "float")
     refused.push_back(fmt::format("--dtype {}: weights are kept in their stored precision (bf16, FP8, MXFP4) and "
                                   "computed in bf16 on the GPU, fp32 on the CPU; only auto, bfloat16 and float32 are "
@@ -195,7 +228,12 @@ Runner add_serve(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--data-parallel-size", a->data_parallel_size, "refused above 1 (not built)");
   cmd->add_flag("--enable-expert-parallel", a->enable_expert_parallel, "refused (not built)");
-  cmd->add_flag("--enable-lora", a->enable_lora, "refused (the server does not serve LoRA adapters yet)");
+  cmd->add_flag("--enable-lora", a->enable_lora, "serve LoRA adapters (CPU backend): --lora-modules and the "
+                "/v1/load_lora_adapter, /v1/unload_lora_adapter routes");
+  cmd->add_option("--lora-modules", a->lora_modules, "adapters loaded at start: name=path or JSON {\"name\", \"path\"}")
+      ->expected(1, 64);
+  cmd->add_option("--max-loras", o.lora.max_loras, "LoRA adapters loaded at once")->capture_default_str();
+  cmd->add_option("--max-lora-rank", o.lora.max_lora_rank, "largest LoRA rank accepted (<= 64)")->capture_default_str();
   cmd->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
       ->capture_default_str();

@@ -120,6 +120,47 @@ void EngineLoop::resume() {
   for (auto& w : waiters) w();
 }
 
+std::shared_ptr<EngineTask> EngineLoop::post(
+    std::function<std::optional<EngineTask::Failure>(const std::vector<int32_t>&)> fn, std::function<void()> notify) {
+  if (!alive_) throw ApiError(503, "the engine is not running");
+  auto t = std::make_shared<EngineTask>();
+  t->fn = std::move(fn);
+  t->notify = std::move(notify);
+  {
+    std::lock_guard lock(mu_);
+    if (tasks_closed_) throw ApiError(503, "the engine is not running");
+    tasks_.push_back(t);
+  }
+  wake_.notify_one();
+  return t;
+}
+
+void EngineLoop::run_tasks(const std::string* why) {
+  std::vector<std::shared_ptr<EngineTask>> tasks;
+  std::vector<int32_t> in_use;
+  {
+    std::lock_guard lock(mu_);
+    if (why) tasks_closed_ = true;
+    tasks.swap(tasks_);
+    if (tasks.empty()) return;
+    for (const auto& r : submissions_) in_use.push_back(r->params_.lora_id);
+  }
+  for (const auto& [id, r] : live_) in_use.push_back(r->params_.lora_id);
+  for (auto& t : tasks) {
+    if (why) {
+      t->failure = EngineTask::Failure{503, *why};
+    } else {
+      try {
+        t->failure = t->fn(in_use);
+      } catch (const Error& e) {
+        t->failure = EngineTask::Failure{400, e.what()};
+      }
+    }
+    t->done = true;
+    if (t->notify) t->notify();
+  }
+}
+
 bool EngineLoop::paused() const {
   std::lock_guard lock(mu_);
   return paused_;
@@ -296,7 +337,8 @@ void EngineLoop::run() {
         // Paused, submissions stay queued, and with mode keep nothing steps.
         const auto work = [&] {
           const bool steps = engine_->has_unfinished() && !(paused_ && pause_mode_ == PauseMode::keep);
-          return stopping_ || !aborts_.empty() || pause_requested_ || (paused_ && !pause_settled_) || steps ||
+          return stopping_ || !aborts_.empty() || !tasks_.empty() || pause_requested_ || (paused_ && !pause_settled_) ||
+                 steps ||
                  (!paused_ && !submissions_.empty());
         };
         if (!work()) wake_.wait(lock, work);
@@ -319,6 +361,7 @@ void EngineLoop::run() {
       }
       aborts.clear();
       if (stopping_) break;
+      run_tasks();
       const bool frozen = [&] {
         std::lock_guard lock(mu_);
         return paused_ && pause_mode_ == PauseMode::keep;
@@ -344,10 +387,15 @@ void EngineLoop::run() {
     live_.clear();
     announce();
     fail_all("the server stopped");
+    alive_ = false;
+    const std::string why = "the server stopped";
+    run_tasks(&why);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[kestrel] engine loop failed: %s\n", e.what());
     alive_ = false;
-    fail_all(fmt::format("the engine failed: {}", e.what()));
+    const std::string why = fmt::format("the engine failed: {}", e.what());
+    fail_all(why);
+    run_tasks(&why);
     return;
   }
   alive_ = false;

@@ -96,6 +96,20 @@ struct EngineSnapshot {
 // finish, keep freezes them where they are until resume.
 enum class PauseMode { abort, wait, keep };
 
+// Work the engine thread runs between two steps (a LoRA adapter's load or unload, which must not race a step). `fn`
+// gets the LoRA ids of every request the loop holds (admitted or still queued) and returns an error, or nothing.
+// When the loop stops or fails first, the task ends with status 503.
+struct EngineTask {
+  struct Failure {
+    int status = 400;
+    std::string message;
+  };
+  std::function<std::optional<Failure>(const std::vector<int32_t>& loras_in_use)> fn;
+  std::function<void()> notify;  // called (on the engine thread) once done
+  std::optional<Failure> failure;
+  std::atomic<bool> done{false};
+};
+
 class EngineLoop {
  public:
   // max_in_flight: requests submitted and not over, beyond which submit() answers 429.
@@ -123,6 +137,11 @@ class EngineLoop {
   // The last pause has taken effect (its requests aborted, finished or frozen; its cache cleared).
   bool pause_settled() const;
 
+  // Queues `fn` for the engine thread (EngineTask); the caller waits for task->done. ApiError 503 when the loop does
+  // not run.
+  std::shared_ptr<EngineTask> post(std::function<std::optional<EngineTask::Failure>(const std::vector<int32_t>&)> fn,
+                                   std::function<void()> notify);
+
   // New submissions get 503 from now on (SIGTERM).
   void stop_admitting() { admitting_ = false; }
   bool admitting() const { return admitting_; }
@@ -141,6 +160,8 @@ class EngineLoop {
   void publish();
   // On the engine thread: takes a pause request, and settles the pause once it holds.
   void apply_pause();
+  // On the engine thread: runs the posted tasks; with `why`, ends them unrun with status 503.
+  void run_tasks(const std::string* why = nullptr);
 
   std::unique_ptr<Engine> engine_;
   const int64_t max_in_flight_, max_model_len_;
@@ -150,6 +171,8 @@ class EngineLoop {
   mutable std::mutex mu_;  // guards the queues, in_flight_ and snapshot_
   std::condition_variable wake_;
   std::vector<std::shared_ptr<RequestStream>> submissions_, aborts_;
+  std::vector<std::shared_ptr<EngineTask>> tasks_;
+  bool tasks_closed_ = false;  // the loop ended: post() refuses
   int64_t in_flight_ = 0;
   EngineSnapshot snapshot_;
   // Pausing (guarded by mu_): a request not yet taken by the engine thread, the state, and who waits for it to settle.

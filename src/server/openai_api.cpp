@@ -69,6 +69,7 @@ struct Choice {
 
 struct OpenAIApi::Job {
   bool chat = false;
+  int32_t lora_id = 0;  // the adapter the request's model names
   std::string id, model;
   GenerationParams gen;
   std::vector<std::vector<int32_t>> prompts;
@@ -80,18 +81,20 @@ struct OpenAIApi::Job {
 };
 
 OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const text::ChatTemplate* chat_template,
-                     EngineLoop& loop, ServerMetrics& metrics)
+                     EngineLoop& loop, ServerMetrics& metrics, LoraApi* lora)
     : opts_(opts),
       tok_(tok),
       chat_template_(chat_template),
       loop_(loop),
       metrics_(metrics),
+      lora_(lora),
       rl_(opts.served_model_name, tok, opts.vocab_size, loop, metrics),
       created_(unix_time()),
       seed_rng_(opts.seed ? *opts.seed : std::random_device{}()),
       structured_(tok, static_cast<int32_t>(opts.vocab_size), opts.eos_token_id, opts.reasoning_parser),
       text_pool_(opts.text_threads, opts.text_queue) {
   rl_.set_aliases(opts.model_aliases);
+  rl_.set_model_resolver([this](const std::string& model) { return check_model(model); });
   rl_.set_off_thread([this](HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work) {
     return off_thread(ex, std::move(work));
   });
@@ -147,10 +150,13 @@ void OpenAIApi::apply_defaults(Json& body) const {
   }
 }
 
-void OpenAIApi::check_model(const std::string& model) const {
-  if (!model.empty() && model != opts_.served_model_name &&
-      std::find(opts_.model_aliases.begin(), opts_.model_aliases.end(), model) == opts_.model_aliases.end())
-    throw ApiError(404, fmt::format("The model `{}` does not exist.", model), "model");
+int32_t OpenAIApi::check_model(const std::string& model) const {
+  if (model.empty() || model == opts_.served_model_name ||
+      std::find(opts_.model_aliases.begin(), opts_.model_aliases.end(), model) != opts_.model_aliases.end())
+    return 0;
+  if (lora_)
+    if (const std::optional<int32_t> id = lora_->id_of(model)) return *id;
+  throw ApiError(404, fmt::format("The model `{}` does not exist.", model), "model");
 }
 
 awaitable<void> OpenAIApi::route(HttpExchange& ex) {
@@ -177,6 +183,13 @@ awaitable<void> OpenAIApi::route(HttpExchange& ex) {
   }
   if (RlApi::handles(path)) {
     co_await rl_.handle(ex);
+    co_return;
+  }
+  if (LoraApi::handles(path)) {
+    if (!lora_) bad_request("", "LoRA adapters are not enabled on this server: start it with --enable-lora");
+    co_await lora_->handle(ex, [this](HttpExchange& e, std::function<void(const std::atomic<bool>&)> work) {
+      return off_thread(e, std::move(work));
+    });
     co_return;
   }
   if (path == "/tokenize") {  // renders and tokenises: text work
@@ -233,6 +246,8 @@ OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex, const 
     for (const std::string& name : names)
       cards.push_back({{"id", name}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"},
                        {"root", opts_.model_dir}, {"parent", nullptr}, {"max_model_len", loop_.max_model_len()}});
+    if (lora_)
+      for (const Json& card : lora_->model_cards(created_, loop_.max_model_len())) cards.push_back(card);
     return {200, dump(Json{{"object", "list"}, {"data", cards}})};
   }
   if (path == "/ping") {  // vLLM's (SageMaker's) liveness route: /health's answer, on GET or POST
@@ -332,7 +347,7 @@ void OpenAIApi::prepare_completions(const std::string& body, Job& job, const std
   Json j = parse_body(body);
   apply_defaults(j);
   const CompletionRequest r = parse_completion_request(j);
-  check_model(r.gen.model);
+  job.lora_id = check_model(r.gen.model);
   job.id = random_id("cmpl-");
   job.gen = r.gen;
   job.constraint = structured_.output(parse_output_request(r.gen.structured), StructuredOutputs::Start::text);
@@ -378,7 +393,7 @@ void OpenAIApi::prepare_chat(const std::string& body, Job& job, const std::atomi
 void OpenAIApi::prepare_chat_json(Json& j, Job& job, const std::atomic<bool>& cancel) {
   apply_defaults(j);
   const ChatRequest r = parse_chat_request(j);
-  check_model(r.gen.model);
+  job.lora_id = check_model(r.gen.model);
   job.chat = true;
   job.id = random_id("chatcmpl-");
   job.gen = r.gen;
@@ -464,6 +479,7 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     // those are known once the request ends).
     if (echo_logprobs) params[p].prompt_logprobs = std::max(gen.prompt_logprobs, gen.top_logprobs);
     params[p].constraint = job.constraint;
+    params[p].lora_id = job.lora_id;
     params[p].validate(opts_.vocab_size);
   }
 

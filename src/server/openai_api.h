@@ -14,6 +14,7 @@
 
 #include "server/engine_loop.h"
 #include "server/http_server.h"
+#include "server/lora_api.h"
 #include "server/metrics.h"
 #include "server/output_parser.h"
 #include "server/protocol.h"
@@ -49,9 +50,10 @@ Json generation_defaults(const std::string& dir);
 
 class OpenAIApi {
  public:
-  // `chat_template` may be null (the checkpoint has none): chat requests then fail with 400.
+  // `chat_template` may be null (the checkpoint has none): chat requests then fail with 400. `lora` may be null (no
+  // LoRA routes: they answer that LoRA is not enabled).
   OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const text::ChatTemplate* chat_template,
-            EngineLoop& loop, ServerMetrics& metrics);
+            EngineLoop& loop, ServerMetrics& metrics, LoraApi* lora = nullptr);
 
   awaitable<void> handle(HttpExchange& ex);
   // SIGTERM: running renders are cancelled, queued text work gets 503, the text threads are joined.
@@ -77,7 +79,8 @@ class OpenAIApi {
   void prepare_chat_json(Json& body, Job& job, const std::atomic<bool>& cancel);
   awaitable<void> responses(HttpExchange& ex);
   awaitable<void> generate(HttpExchange& ex, Job& job);
-  void check_model(const std::string& model) const;
+  // The LoRA adapter id a request's `model` names (0: the base model); 404 for a name the server does not serve.
+  int32_t check_model(const std::string& model) const;
   void apply_defaults(Json& body) const;
   std::string render_chat(const Json& messages, const Json& tools, bool add_generation_prompt,
                           bool continue_final_message, const Json& kwargs, const std::atomic<bool>* cancel) const;
@@ -92,6 +95,7 @@ class OpenAIApi {
   const text::ChatTemplate* chat_template_;
   EngineLoop& loop_;
   ServerMetrics& metrics_;
+  LoraApi* lora_;
   RlApi rl_;
   int64_t created_;
   std::mutex seed_mu_;

@@ -111,11 +111,13 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
   ScoreTokensRequest r;
   std::vector<std::vector<int32_t>> seqs;
   std::vector<int64_t> starts;
+  int32_t lora_id = 0;
   // Parsing and tokenising: on the text threads when the server has them (off the HTTP threads).
   auto prepare = [&](const std::atomic<bool>&) {
     r = parse_score_tokens_request(parse_body(ex.request().body()));
-    if (!r.model.empty() && r.model != model_name_ &&
-        std::find(aliases_.begin(), aliases_.end(), r.model) == aliases_.end())
+    if (resolve_model_) lora_id = resolve_model_(r.model);
+    else if (!r.model.empty() && r.model != model_name_ &&
+             std::find(aliases_.begin(), aliases_.end(), r.model) == aliases_.end())
       throw ApiError(404, fmt::format("The model `{}` does not exist.", r.model), "model");
     const size_t P = r.prompts.size();
     const int64_t max_len = loop_.max_model_len();
@@ -156,6 +158,7 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
       p.max_tokens = 0;
       p.prompt_logprobs = r.top_logprobs;
       p.prompt_logprobs_start = starts[i];
+      p.lora_id = lora_id;
       reqs.push_back(loop_.submit(seqs[i], p, r.priority, notify));
     }
   } catch (const ApiError&) {

@@ -28,6 +28,9 @@ class RlApi {
   void set_off_thread(OffThread f) { off_thread_ = std::move(f); }
   // More names a request's `model` may use (several --served-model-name).
   void set_aliases(std::vector<std::string> aliases) { aliases_ = std::move(aliases); }
+  // The LoRA adapter id a request's `model` names (0: the base model), throwing ApiError 404 for an unknown name;
+  // without it only the served name and the aliases are accepted.
+  void set_model_resolver(std::function<int32_t(const std::string&)> f) { resolve_model_ = std::move(f); }
 
   static bool handles(const std::string& path);
   // Throws ApiError for a bad request (the caller replies with it).
@@ -45,6 +48,7 @@ class RlApi {
   ServerMetrics& metrics_;
   OffThread off_thread_;
   std::vector<std::string> aliases_;
+  std::function<int32_t(const std::string&)> resolve_model_;
 };
 
 }  // namespace kestrel::server

@@ -87,7 +87,15 @@ int serve(const ServeOptions& o) {
                             {"cache_row_bytes", std::to_string(cache_plan.row_bytes)},
                             {"kv_cache_memory_bytes", std::to_string(engine_cfg.cache_bytes)},
                             {"enable_prefix_caching", engine_cfg.enable_prefix_caching ? "True" : "False"}});
-  OpenAIApi handlers(api, tok, chat_template ? &*chat_template : nullptr, loop, metrics);
+  std::vector<std::string> base_names = {api.served_model_name};
+  base_names.insert(base_names.end(), api.model_aliases.begin(), api.model_aliases.end());
+  LoraApi lora(o.lora, *model, loop, base_names);
+  for (const auto& [name, path] : o.lora_modules) lora.load_at_start(name, path);
+  if (o.lora.enabled)
+    std::fprintf(stderr, "[kestrel] LoRA: %zu adapter(s) loaded, at most %d at once, rank <= %d\n",
+                 o.lora_modules.size(), o.lora.max_loras, o.lora.max_lora_rank);
+  OpenAIApi handlers(api, tok, chat_template ? &*chat_template : nullptr, loop, metrics,
+                     o.lora.enabled ? &lora : nullptr);
 
   HttpServerOptions http_opts;
   http_opts.host = o.host;

@@ -10,6 +10,7 @@
 
 #include "engine/engine.h"
 #include "model/model.h"
+#include "server/lora_api.h"
 
 namespace kestrel::server {
 
@@ -40,6 +41,8 @@ struct ServeOptions {
   int text_threads = 2;                // threads rendering chat templates and tokenising
   int64_t max_text_queue = 256;        // requests waiting for those threads beyond which new ones get 429
   std::optional<uint64_t> seed;        // seeds of requests that give none are drawn from this
+  LoraOptions lora;                    // --enable-lora, --max-loras, --max-lora-rank
+  std::vector<std::pair<std::string, std::string>> lora_modules;  // --lora-modules: (name, path), loaded at start
   std::function<std::unique_ptr<Backend>()> make_backend;  // empty: the CPU backend
   DeviceAttach attach_device;          // empty: the CPU engine
 };

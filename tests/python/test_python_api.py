@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kestrel_binary import REPO, kestrel_bin
+from lora_files import random_adapter
 
 
 def _module_dir() -> Path:
@@ -211,30 +212,6 @@ def test_speculative_config_errors_name_the_field(kestrel, models):
 # ---------------------------------------------------------------- LoRA
 
 
-def _random_adapter(template: str, out: str, seed: int) -> str:
-    """A copy of the PEFT adapter `template` (make-model --lora-out) with new random F32 weights."""
-    import json as _json
-    data = Path(template, "adapter_model.safetensors").read_bytes()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = _json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    rng = random.Random(seed)
-    entries, blobs, offset = {}, [], 0
-    for name in sorted(header):
-        shape = header[name]["shape"]
-        count = shape[0] * shape[1]
-        blob = struct.pack(f"<{count}f", *(rng.uniform(-0.05, 0.05) for _ in range(count)))
-        entries[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    head = _json.dumps(entries).encode()
-    head += b" " * (-len(head) % 8)
-    os.makedirs(out, exist_ok=True)
-    Path(out, "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-    Path(out, "adapter_config.json").write_text(Path(template, "adapter_config.json").read_text())
-    return out
-
-
 @pytest.fixture(scope="module")
 def lora_models(tmp_path_factory):
     out = {}
@@ -253,7 +230,7 @@ def test_lora_requests_batch_and_rl_loop(kestrel, lora_models, arch, capsys):
     rollout-then-score loop reloading the adapter with new weights every step scores with the rollout's bits."""
     model, template, tmp = lora_models[arch]
     llm = kestrel.LLM(model, max_model_len=128, enable_lora=True, max_lora_rank=8, max_loras=3, batch_invariant=True)
-    adapters = [kestrel.LoRARequest(f"a{i}", i + 1, _random_adapter(template, str(tmp / f"r{i}"), i)) for i in range(2)]
+    adapters = [kestrel.LoRARequest(f"a{i}", i + 1, random_adapter(template, str(tmp / f"r{i}"), i)) for i in range(2)]
     p = kestrel.SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [3 + i, 40, 41, 42 + i]} for i in range(3)]
     loras = [None, adapters[0], adapters[1]]
@@ -270,15 +247,22 @@ def test_lora_requests_batch_and_rl_loop(kestrel, lora_models, arch, capsys):
     # other id.
     rng = random.Random(5)
     previous, lora, total = [], None, 0
-    for step in range(12):
-        lora = kestrel.LoRARequest("policy", 1 + step % 2, _random_adapter(template, str(tmp / f"s{step}"), 100 + step))
+    for step in range(100):
+        lora = kestrel.LoRARequest("policy", 1 + step % 2, random_adapter(template, str(tmp / f"s{step}"), 100 + step))
         llm.load_lora(lora)
         if previous:
             scored = llm.score([r[0] for r in previous], [r[1] for r in previous], lora_request=[r[3] for r in previous])
+            diffs = []
             for (prompt, tokens, lps, _), s in zip(previous, scored):
                 assert s.token_ids == tokens
                 assert [bits(x) for x in s.logprobs] == [bits(x) for x in lps], f"{arch} step {step}"
+                diffs += [a - b for a, b in zip(lps, s.logprobs)]
                 total += len(tokens)
+            kl = sum(diffs) / len(diffs)
+            assert kl == 0.0
+            with capsys.disabled():
+                print(f"\n[python-lora-rl] {arch} step {step:3d}: {len(previous)} sequences, {len(diffs)} tokens, "
+                      f"KL {kl:.1f}", end="")
         rp = kestrel.SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 6), n=rng.randint(1, 2),
                                     seed=rng.randint(0, 2**31), logprobs=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": [rng.randint(1, 200) for _ in range(rng.randint(2, 20))]}
@@ -286,8 +270,8 @@ def test_lora_requests_batch_and_rl_loop(kestrel, lora_models, arch, capsys):
         previous = [(o.prompt_token_ids, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], lora)
                     for o in outs for c in o.outputs]
     with capsys.disabled():
-        print(f"[python-lora-rl] {arch}: 12 steps, {total} tokens scored equal to the rollout bit for bit (KL 0.0)")
-    assert total > 20
+        print(f"\n[python-lora-rl] {arch}: 100 steps, {total} tokens scored equal to the rollout bit for bit (KL 0.0)")
+    assert total > 200
     assert llm.remove_lora(2) and llm.list_loras() == [1]
 
 
@@ -299,7 +283,7 @@ def test_lora_errors(kestrel, lora_models, tmp_path):
     llm = kestrel.LLM(model, max_model_len=64, enable_lora=True, max_lora_rank=8, max_loras=1)
     with pytest.raises(ValueError, match="adapter_config.json"):
         llm.generate("x", lora_request=kestrel.LoRARequest("a", 1, str(tmp_path)))
-    bad = _random_adapter(template, str(tmp_path / "bad"), 1)
+    bad = random_adapter(template, str(tmp_path / "bad"), 1)
     Path(bad, "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["embed_tokens"]}')
     with pytest.raises(ValueError, match="unknown target module 'embed_tokens'"):
         llm.generate("x", lora_request=kestrel.LoRARequest("a", 1, bad))

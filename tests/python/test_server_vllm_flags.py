@@ -139,11 +139,10 @@ def test_echo_with_logprobs_has_prompt_tokens_and_offsets_into_text(server):
 @pytest.mark.parametrize("flag,needle", [
     (["--data-parallel-size", "2"], "--data-parallel-size 2: data parallelism"),
     (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism needs NCCL"),
-    (["--enable-lora"], "--enable-lora: the server does not serve LoRA adapters yet"),
     (["--dtype", "float16"], "--dtype float16: weights are kept in their stored precision"),
     (["--max-model-len", "12q"], "--max-model-len '12q' is not an integer"),
     (["--uvicorn-log-level", "loud"], "--uvicorn-log-level 'loud'"),
-], ids=["dp", "ep", "lora", "dtype", "max-model-len", "log-level"])
+], ids=["dp", "ep", "dtype", "max-model-len", "log-level"])
 def test_refused_by_name(tiny_dir, flag, needle):  # noqa: F811
     p = subprocess.run([kestrel_bin(), "serve", str(tiny_dir), "--port", "0", *flag], capture_output=True, text=True,
                        timeout=60)
