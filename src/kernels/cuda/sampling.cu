@@ -366,14 +366,15 @@ __global__ void __launch_bounds__(kThreads) choose_kernel(SampleRowsArgs a, Sort
 //      memory: exactly the first H candidates of the full sort.
 //   5. with all n candidates in the head (top-k, or a short row): choose_sorted as is, the full sort's token.
 //      Otherwise (no top-k, n = vocab > H): p_i over the head as choose_sorted's; kept (the top-p divisor) is
-//      the head's sum plus the rest of the row's in double from fp32 exp (the full sort sums the rest in its own
-//      order: kept may differ from its by about 1e-10 relative, rarely more); the top-p cut walks
+//      the head's sum plus the rest of the row's p_i from fp32 exp (the full sort sums every p_i in double in its
+//      own order: kept may differ from its by about 1e-10 relative, see sampling.h); the top-p cut walks
 //      chunked_scan's chunks of ceil(vocab / 1024) candidates, which up to the cut lie in the head; min-p, the
 //      mask and the draw are choose_sorted's over the kept candidates, which lie in the head.
 // A row whose head is larger than kHeadCap, whose best logit is not finite, or whose top-p cut is not in its head
 // (the bounds make this not happen) is left to the full sort: its keys and ids are written and its sort segment
 // set, as prepare_kernel does; choose_kernel then draws it. done[r] says which rows head_kernel finished.
 constexpr int kHeadCap = 2048;
+constexpr int kUnroll = 8;  // logits each thread loads at once in a pass over the row
 constexpr int kBins = 2 * kThreads;
 constexpr int kLastBin = kBins - 1;
 constexpr double kBoundSlack = 1e-4;
@@ -453,12 +454,23 @@ __global__ void __launch_bounds__(kThreads) head_kernel(SampleRowsArgs a, Prepar
   auto key_at = [&](int64_t i) -> uint32_t { return overrides ? key[i] : logit_key(raw[i]); };
 
   // 1. Keys, the best raw key (log-probabilities) and the best key.
+  // The row is read in tiles of kUnroll * kThreads logits, each thread's kUnroll loads issued together.
   KeyId raw_best{0u, -1};
-#pragma unroll 4
-  for (int64_t i = tid; i < V; i += kThreads) {
-    const uint32_t k = logit_key(raw[i]);
-    if (overrides) key[i] = k;
-    if (raw_best.id < 0 || k < raw_best.key) raw_best = KeyId{k, static_cast<int32_t>(i)};
+  for (int64_t i0 = 0; i0 < V; i0 += kUnroll * kThreads) {
+    float v[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = i0 + j * kThreads + tid;
+      v[j] = i < V ? raw[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = i0 + j * kThreads + tid;
+      if (i >= V) break;
+      const uint32_t k = logit_key(v[j]);
+      if (overrides) key[i] = k;
+      if (raw_best.id < 0 || k < raw_best.key) raw_best = KeyId{k, static_cast<int32_t>(i)};
+    }
   }
   KeyId best = raw_best;
   if (overrides) {
@@ -498,15 +510,15 @@ __global__ void __launch_bounds__(kThreads) head_kernel(SampleRowsArgs a, Prepar
     // 2. The histogram; each warp adds its equal bins at once.
     for (int b = tid; b < kBins; b += kThreads) sm.a.hist[b] = 0u;
     __syncthreads();
-    for (int64_t i0 = 0; i0 < V; i0 += 4 * kThreads) {
-      int bin[4];
+    for (int64_t i0 = 0; i0 < V; i0 += kUnroll * kThreads) {
+      int bin[kUnroll];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kUnroll; ++j) {
         const int64_t i = i0 + j * kThreads + tid;
         bin[j] = i < V ? logit_bin(key_at(i), top, scale) : -1;
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kUnroll; ++j) {
         const unsigned same = __match_any_sync(0xffffffffu, bin[j]);
         if (bin[j] >= 0 && __ffs(same) - 1 == lane) atomicAdd(&sm.a.hist[bin[j]], static_cast<unsigned>(__popc(same)));
       }
@@ -558,33 +570,41 @@ __global__ void __launch_bounds__(kThreads) head_kernel(SampleRowsArgs a, Prepar
       // 4. The head, compacted in any order, then sorted by (key, id); the rest of the row's mass when needed.
       const bool approx = n == V && H < V;
       const bool need_rest = approx && p.top_p < 1.0f;
+      // The rest's p_i in fp32: exp((l - top) * (1 / temperature)), 1 / temperature in two fp32 parts (no
+      // common rounding of every argument); summed in fp32 over a thread's tile, the tiles in double.
       const double inv_t = __ddiv_rn(1.0, static_cast<double>(p.temperature));
+      const float inv_hi = __double2float_rn(inv_t);
+      const float inv_lo = __double2float_rn(__dsub_rn(inv_t, static_cast<double>(inv_hi)));
       const double top_d = top;
       double rest = 0.0;
-      for (int64_t i0 = 0; i0 < V; i0 += kThreads) {
-        const int64_t i = i0 + tid;
-        uint32_t k = 0u;
-        bool in = false;
-        if (i < V) {
-          k = key_at(i);
-          in = logit_bin(k, top, scale) <= head_bin;
-          if (!in && need_rest) {
-            const double arg = __dmul_rn(__dsub_rn(static_cast<double>(key_logit(k)), top_d), inv_t);
-            if (arg > -1000.0) {  // not -inf nor NaN
-              const float hi = __double2float_rn(arg);
-              const double e = static_cast<double>(expf(hi));
-              rest = __dadd_rn(rest, __fma_rn(e, __dsub_rn(arg, static_cast<double>(hi)), e));
-            }
+      for (int64_t i0 = 0; i0 < V; i0 += kUnroll * kThreads) {
+        uint32_t k[kUnroll];
+#pragma unroll
+        for (int j = 0; j < kUnroll; ++j) {
+          const int64_t i = i0 + j * kThreads + tid;
+          k[j] = i < V ? key_at(i) : 0u;
+        }
+        float tile_rest = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kUnroll; ++j) {
+          const int64_t i = i0 + j * kThreads + tid;
+          const bool valid = i < V;
+          const bool in = valid && logit_bin(k[j], top, scale) <= head_bin;
+          if (valid && !in && need_rest) {
+            const float d = __fsub_rn(key_logit(k[j]), top);
+            const float arg = __fmaf_rn(d, inv_lo, __fmul_rn(d, inv_hi));
+            if (arg > -104.0f) tile_rest = __fadd_rn(tile_rest, expf(arg));  // not -inf nor NaN
+          }
+          const unsigned ballot = __ballot_sync(0xffffffffu, in);
+          if (ballot != 0u) {
+            int at = 0;
+            if (lane == 0) at = atomicAdd(&sm.fill, __popc(ballot));
+            at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
+            if (in && at < kHeadCap)
+              sm.b.pairs[at] = (static_cast<unsigned long long>(k[j]) << 32) | static_cast<unsigned long long>(i);
           }
         }
-        const unsigned ballot = __ballot_sync(0xffffffffu, in);
-        if (ballot != 0u) {
-          int at = 0;
-          if (lane == 0) at = atomicAdd(&sm.fill, __popc(ballot));
-          at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
-          if (in && at < kHeadCap)
-            sm.b.pairs[at] = (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(i);
-        }
+        if (need_rest) rest = __dadd_rn(rest, static_cast<double>(tile_rest));
       }
       if (need_rest) rest = block_sum(rest, sm.sum_scratch);
       __syncthreads();

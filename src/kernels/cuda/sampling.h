@@ -56,10 +56,11 @@
 // it (sampling.cu, head_kernel), so the token is the full sort's:
 //   - bit for bit whenever the top-k cut leaves at most the head (top_k <= 2048 without ties across the head's
 //     end), or top_p = 1 (min-p rows);
-//   - otherwise (top_p < 1 without top-k) the top-p divisor `kept`, the sum of every p_i, is the head's sum plus
-//     the rest of the row summed in double from fp32 exp, not the full sort's order: it is within about 1e-10
-//     relative of the full sort's for ordinary rows (2.4e-7 times the rest's share of the mass at worst), and the
-//     token differs only where top_p lies that close to a cumulative sum at the cut (as the CPU's may above).
+//   - otherwise (top_p < 1 without top-k) the top-p divisor `kept`, the sum of every p_i, is the head's sum (its
+//     p_i exact, in another order) plus the rest of the row's p_i from fp32 exp: within about 1e-10 relative of
+//     the full sort's for ordinary rows (the rest's fp32 errors are independent roundings of about 1e-7 each and
+//     its share of the mass is at most 1 - top_p; about 1e-7 relative at worst), and the token differs only where
+//     top_p lies that close to a cumulative sum at the cut (the uniform and everything else are the full sort's).
 // Rows whose head is too large (top_p = 1 and min_p = 0 without a short top-k; flat rows), or whose best logit is
 // not finite, take the full sort. Greedy rows only have their argmax. A row asking for logprobs alternatives costs
 // one pass over the vocabulary per alternative.
