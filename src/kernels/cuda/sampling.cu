@@ -456,7 +456,27 @@ __global__ void __launch_bounds__(kThreads) head_kernel(SampleRowsArgs a, Prepar
   // 1. Keys, the best raw key (log-probabilities) and the best key.
   // The row is read in tiles of kUnroll * kThreads logits, each thread's kUnroll loads issued together.
   KeyId raw_best{0u, -1};
-  for (int64_t i0 = 0; i0 < V; i0 += kUnroll * kThreads) {
+  const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(raw) % 16 == 0;
+  // With aligned rows of a multiple of 4 logits: 16 logits a thread at once, as float4s (the row's first read,
+  // from memory). Ties go to the lower id whatever the order (first_of).
+  for (int64_t q0 = 0; vec && q0 < V / 4; q0 += 4 * kThreads) {
+    float4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t q = q0 + j * kThreads + tid;
+      v[j] = q < V / 4 ? reinterpret_cast<const float4*>(raw)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t q = q0 + j * kThreads + tid;
+      if (q >= V / 4) break;
+      const uint32_t k[4] = {logit_key(v[j].x), logit_key(v[j].y), logit_key(v[j].z), logit_key(v[j].w)};
+      if (overrides) reinterpret_cast<uint4*>(key)[q] = make_uint4(k[0], k[1], k[2], k[3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) raw_best = first_of(raw_best, KeyId{k[e], static_cast<int32_t>(4 * q + e)});
+    }
+  }
+  for (int64_t i0 = 0; !vec && i0 < V; i0 += kUnroll * kThreads) {
     float v[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
