@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kThreads) choose_kernel(SampleRowsArgs a, Sort
 // (the bounds make this not happen) is left to the full sort: its keys and ids are written and its sort segment
 // set, as prepare_kernel does; choose_kernel then draws it. done[r] says which rows head_kernel finished.
 constexpr int kHeadCap = 2048;
-constexpr int kUnroll = 8;  // logits each thread loads at once in a pass over the row
+constexpr int kUnroll = 16;  // logits each thread loads at once in a pass over the row
 constexpr int kBins = 2 * kThreads;
 constexpr int kLastBin = kBins - 1;
 constexpr double kBoundSlack = 1e-4;
