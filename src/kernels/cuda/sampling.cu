@@ -833,7 +833,7 @@ cudaError_t launch_sample_rows(const SampleRowsArgs& args, void* workspace, size
   else
     head_kernel<<<grid, kThreads, 0, stream>>>(args, prepared, done);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
+  if (e != cudaSuccess || (args.greedy_only && !args.full_sort)) return e;  // greedy rows end in head_kernel
 
   cub::DoubleBuffer<uint32_t> sort_keys(keys[0], keys[1]);
   cub::DoubleBuffer<int32_t> sort_ids(ids[0], ids[1]);

@@ -128,6 +128,10 @@ struct SampleRowsArgs {
   int max_top_logprobs = 0;         // 0..kMaxSampleTopLogprobs; > 0 needs top_ids and top_logprobs
   // true: every non-greedy row sorts its whole vocabulary (the reference for the head path; see "Cost" above).
   bool full_sort = false;
+  // The caller's promise that every row is greedy (temperature 0; the host built the params): then no row can
+  // need the full sort, and without full_sort the call is one launch instead of the sort's and the draw's too.
+  // A non-greedy row under it gets no token.
+  bool greedy_only = false;
   // Optional [rows] out (tests, benchmarks): 1 where the head path drew the row (greedy rows included), 0 where
   // the full sort did (every row with full_sort; skipped rows: 1).
   int32_t* head_drawn = nullptr;
