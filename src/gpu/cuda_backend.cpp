@@ -482,6 +482,7 @@ void sample(CudaState& st, std::span<const SampleRow> rows, std::vector<SampledT
   const int64_t mask_words = (V + 31) / 32;
   std::vector<uint32_t> masks;
   int max_top = 0;
+  bool greedy_only = true;  // then sample_rows is one launch (SampleRowsArgs::greedy_only)
   for (size_t i = 0; i < rows.size(); ++i) {
     if (!rows[i].token_mask.empty()) {
       KESTREL_CHECK(static_cast<int64_t>(rows[i].token_mask.size()) == mask_words,
@@ -496,6 +497,7 @@ void sample(CudaState& st, std::span<const SampleRow> rows, std::vector<SampledT
     for (const PenaltyToken& pt : rows[i].penalties) tokens.push_back({pt.token, pt.generated});
     offsets.push_back(static_cast<int32_t>(tokens.size()));
     max_top = std::max(max_top, p.logprobs);
+    greedy_only = greedy_only && p.temperature == 0.0f;
   }
   Staging& tab = *s.sample_staging;
   tab.reset();
@@ -519,6 +521,7 @@ void sample(CudaState& st, std::span<const SampleRow> rows, std::vector<SampledT
   a.top_ids = s.sampled_top_ids;
   a.top_logprobs = s.sampled_top_logprobs;
   a.max_top_logprobs = std::min(max_top, cuda::kMaxSampleTopLogprobs);
+  a.greedy_only = greedy_only;
   cuda::sample_rows(a, s.sample_ws, s.sample_ws_bytes, stream);
   // The kernel writes each row's alternatives at a stride of a.max_top_logprobs (not kMaxSampleTopLogprobs).
   const size_t n = rows.size(), K = static_cast<size_t>(a.max_top_logprobs);

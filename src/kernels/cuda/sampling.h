@@ -49,9 +49,21 @@
 // NaN logits: the CPU's sort is undefined for them; here a NaN sorts last and the row's token is unspecified (no
 // fault).
 //
-// Cost: every non-greedy row is fully sorted (one CUB segmented radix sort over 32-bit keys, one block per row),
-// then at most five passes over its candidates; greedy rows only have their argmax. A row asking for logprobs
-// alternatives costs one pass over the vocabulary per alternative.
+// Cost and the head path. With full_sort every non-greedy row is fully sorted (one CUB segmented radix sort over
+// 32-bit keys, one block per row), then at most five passes over its candidates. Without (the default) a row's
+// head -- the first H of its sorted candidates, found from a histogram of its log-probabilities, holding every
+// candidate its top-k, top-p or min-p cut can keep -- is sorted alone (H <= 2048) and the same arithmetic runs on
+// it (sampling.cu, head_kernel), so the token is the full sort's:
+//   - bit for bit whenever the top-k cut leaves at most the head (top_k <= 2048 without ties across the head's
+//     end), or top_p = 1 (min-p rows);
+//   - otherwise (top_p < 1 without top-k) the top-p divisor `kept`, the sum of every p_i, is the head's sum (its
+//     p_i exact, in another order) plus the rest of the row's p_i from fp32 exp: within about 1e-10 relative of
+//     the full sort's for ordinary rows (the rest's fp32 errors are independent roundings of about 1e-7 each and
+//     its share of the mass is at most 1 - top_p; about 1e-7 relative at worst), and the token differs only where
+//     top_p lies that close to a cumulative sum at the cut (the uniform and everything else are the full sort's).
+// Rows whose head is too large (top_p = 1 and min_p = 0 without a short top-k; flat rows), or whose best logit is
+// not finite, take the full sort. Greedy rows only have their argmax. A row asking for logprobs alternatives costs
+// one pass over the vocabulary per alternative.
 //
 // All pointers are device pointers; the call is asynchronous on its stream, allocates nothing, reads no device
 // data on the host and is deterministic (CUDA-graph capturable). Argument errors throw kestrel::Error.
@@ -114,6 +126,15 @@ struct SampleRowsArgs {
   int32_t* top_ids = nullptr;       // [rows, max_top_logprobs]
   float* top_logprobs = nullptr;    // [rows, max_top_logprobs]
   int max_top_logprobs = 0;         // 0..kMaxSampleTopLogprobs; > 0 needs top_ids and top_logprobs
+  // true: every non-greedy row sorts its whole vocabulary (the reference for the head path; see "Cost" above).
+  bool full_sort = false;
+  // The caller's promise that every row is greedy (temperature 0; the host built the params): then no row can
+  // need the full sort, and without full_sort the call is one launch instead of the sort's and the draw's too.
+  // A non-greedy row under it gets no token.
+  bool greedy_only = false;
+  // Optional [rows] out (tests, benchmarks): 1 where the head path drew the row (greedy rows included), 0 where
+  // the full sort did (every row with full_sort; skipped rows: 1).
+  int32_t* head_drawn = nullptr;
 };
 
 // Device scratch sample_rows needs for `rows` rows of `vocab` logits on the current device: about 16 bytes per

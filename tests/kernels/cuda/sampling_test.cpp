@@ -17,6 +17,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <string>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -211,6 +212,7 @@ struct GpuResult {
   std::vector<float> token_logprobs;
   std::vector<int32_t> top_ids;
   std::vector<float> top_logprobs;
+  std::vector<int32_t> head_drawn;  // SampleRowsArgs::head_drawn
 };
 
 // All bits set: token -1 and NaN log-probabilities where the kernels fail to write.
@@ -222,13 +224,14 @@ void poison(DeviceBuffer<T>& d) {
 // The batch's inputs on the device, its outputs and a workspace; launch() can run directly or under capture.
 class GpuBatch {
  public:
-  explicit GpuBatch(const Batch& b)
+  explicit GpuBatch(const Batch& b, bool full_sort = false, bool greedy_only = false)
       : logits_(to_device(b.logits)),
         params_(to_device(b.params)),
         tokens_(static_cast<size_t>(b.rows())),
         token_logprobs_(static_cast<size_t>(b.rows())),
         top_ids_(static_cast<size_t>(b.rows() * std::max(b.max_top, 1))),
         top_logprobs_(static_cast<size_t>(b.rows() * std::max(b.max_top, 1))),
+        head_drawn_(static_cast<size_t>(b.rows())),
         workspace_(sample_rows_workspace_bytes(b.rows(), b.vocab)) {
     // The CSR penalty lists, as the engine hands each sequence's Sampler::penalty_tokens() on.
     std::vector<int32_t> offsets{0};
@@ -281,13 +284,18 @@ class GpuBatch {
     poison(token_logprobs_);
     poison(top_ids_);
     poison(top_logprobs_);
+    poison(head_drawn_);
+    args_.full_sort = full_sort;
+    args_.greedy_only = greedy_only;
+    args_.head_drawn = head_drawn_.get();
   }
 
   void launch(cudaStream_t s) { sample_rows(args_, workspace_.get(), workspace_.bytes(), s); }
 
   GpuResult result() const {
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
-    return GpuResult{to_host(tokens_), to_host(token_logprobs_), to_host(top_ids_), to_host(top_logprobs_)};
+    return GpuResult{to_host(tokens_), to_host(token_logprobs_), to_host(top_ids_), to_host(top_logprobs_),
+                     to_host(head_drawn_)};
   }
 
  private:
@@ -300,12 +308,13 @@ class GpuBatch {
   DeviceBuffer<float> token_logprobs_;
   DeviceBuffer<int32_t> top_ids_;
   DeviceBuffer<float> top_logprobs_;
+  DeviceBuffer<int32_t> head_drawn_;
   DeviceBuffer<uint8_t> workspace_;  // cudaMalloc: 256-byte aligned
   SampleRowsArgs args_;
 };
 
-GpuResult run_gpu(const Batch& b) {
-  GpuBatch g(b);
+GpuResult run_gpu(const Batch& b, bool full_sort = false, bool greedy_only = false) {
+  GpuBatch g(b, full_sort, greedy_only);
   g.launch(nullptr);
   return g.result();
 }
@@ -824,6 +833,241 @@ TEST(SampleRows, GraphReplayIsDeterministic) {
   KESTREL_CUDA_CHECK(cudaGraphExecDestroy(exec));
   KESTREL_CUDA_CHECK(cudaGraphDestroy(graph));
   KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// ---------------------------------------------------------------- the head path against the full sort
+//
+// sample_rows without full_sort draws most rows from a sorted head of their candidates (sampling.h, "Cost and
+// the head path"). For the same inputs and uniforms it must give the full sort's token on every row, the same
+// log-probabilities bit for bit, and (through check_batch) the CPU's token within sampling.h's bounds.
+
+// Rows of several shapes, by r % 7: normal logits of standard deviation 4, 5 and 6 (heads of a few to a few
+// thousand candidates at top-p 0.95), the last with a few spikes; logits on a grid of 0.5 (long runs of ties across
+// every cut); normal logits with 30% of them -inf; a row with only 5 finite logits; flat normal logits (sd 2.5:
+// heads too large at top-p, the full sort's rows).
+std::vector<float> shaped_logits(int64_t rows, int64_t V, std::mt19937_64& rng) {
+  std::vector<float> x(static_cast<size_t>(rows * V));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int64_t> pick(0, V - 1);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x.data() + r * V;
+    const int kind = static_cast<int>(r % 7);
+    const float sd = kind == 0 ? 4.0f : kind == 1 ? 5.0f : kind == 6 ? 2.5f : 6.0f;
+    for (int64_t i = 0; i < V; ++i) row[i] = sd * normal(rng);
+    if (kind == 2)
+      for (int k = 0; k < 4; ++k) row[pick(rng)] += 20.0f + 2.0f * static_cast<float>(k);
+    if (kind == 3)
+      for (int64_t i = 0; i < V; ++i) row[i] = std::round(row[i] * 2.0f) * 0.5f;
+    if (kind == 4)
+      for (int64_t i = 0; i < V; ++i)
+        if (rng() % 10 < 3) row[i] = -inf;
+    if (kind == 5) {
+      std::fill(row, row + V, -inf);
+      for (int k = 0; k < 5; ++k) row[pick(rng)] = normal(rng);
+    }
+  }
+  return x;
+}
+
+// The options the issue asks for, every combination: temperature 0.6 and 1, top-p 0.95, 0.8 and 1, top-k 0, 1,
+// 20, 50 and 1000, min-p 0 and 0.05.
+std::vector<SampleRowParams> head_configurations() {
+  std::vector<SampleRowParams> c;
+  for (const float t : {0.6f, 1.0f})
+    for (const float top_p : {0.95f, 0.8f, 1.0f})
+      for (const int top_k : {0, 1, 20, 50, 1000})
+        for (const float min_p : {0.0f, 0.05f}) c.push_back(sampled(t, top_k, top_p, min_p));
+  return c;
+}
+
+// A batch of `rows` shaped rows, each with a configuration drawn at random (rows of different options side by
+// side), a few greedy, penalised, masked and logprobs rows among them; uniforms random except every 11th row at 0
+// and every 13th at the largest below 1. Returns how many non-greedy rows the head path drew.
+int run_head_vs_full(int64_t rows, int64_t V, uint64_t seed, const char* name) {
+  SCOPED_TRACE(name);
+  std::mt19937_64 rng(seed);
+  Batch b;
+  b.vocab = V;
+  b.logit_rows = rows;
+  b.logits = shaped_logits(rows, V, rng);
+  b.max_top = 5;
+  const auto configs = head_configurations();
+  std::uniform_int_distribution<size_t> which(0, configs.size() - 1);
+  const int64_t W = (V + 31) / 32;
+  std::vector<double> uniforms;
+  std::vector<bool> exact;
+  bool any_mask = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    SampleRowParams p = configs[which(rng)];
+    if (r % 17 == 3) p = sampled(0.0f);
+    if (r % 19 == 4) {
+      p.presence_penalty = 0.5f;
+      p.frequency_penalty = 0.25f;
+      p.repetition_penalty = 1.2f;
+    }
+    if (r % 23 == 5) p.logprobs = 3;
+    const double u = r % 11 == 7 ? 0.0 : r % 13 == 8 ? kAlmostOne : draw_uniform(rng);
+    p.uniform = u;
+    b.params.push_back(p);
+    b.states.push_back(random_state(V, rng));
+    uniforms.push_back(u);
+    exact.push_back(u == 0.0);
+    std::vector<uint32_t> m;
+    // A grammar-like mask: everything but a few ids, or half the vocabulary (not on the shape with 5 finite
+    // logits, where it could leave only -inf tokens).
+    if (r % 29 == 6 && r % 7 != 5) {
+      m.assign(static_cast<size_t>(W), r % 2 ? ~0u : 0u);
+      std::uniform_int_distribution<int64_t> pick(0, V - 1);
+      if (r % 2) {
+        for (int k = 0; k < 9; ++k) {
+          const int64_t t = pick(rng);
+          m[t >> 5] &= ~(1u << (t & 31));
+        }
+      } else {
+        for (int64_t t = 0; t < V; ++t)
+          if (rng() & 1) m[t >> 5] |= 1u << (t & 31);
+        const int64_t t = pick(rng);
+        m[t >> 5] |= 1u << (t & 31);
+      }
+      any_mask = true;
+    }
+    b.masks.push_back(std::move(m));
+  }
+  if (!any_mask) b.masks.clear();
+
+  const GpuResult head = run_gpu(b, false);
+  const GpuResult full = run_gpu(b, true);
+  int drawn = 0, sampled_rows = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const SampleRowParams& p = b.params[r];
+    SCOPED_TRACE(::testing::Message() << "row " << r << " (shape " << r % 7 << ", temperature " << p.temperature
+                                      << ", top_p " << p.top_p << ", top_k " << p.top_k << ", min_p " << p.min_p
+                                      << ", head path " << head.head_drawn[r] << ")");
+    EXPECT_TRUE(head.head_drawn[r] == 0 || head.head_drawn[r] == 1);
+    EXPECT_EQ(full.head_drawn[r], 0);
+    EXPECT_EQ(head.tokens[r], full.tokens[r]);
+    if (p.temperature != 0.0f) {
+      ++sampled_rows;
+      drawn += head.head_drawn[r];
+    } else {
+      EXPECT_EQ(head.head_drawn[r], 1);
+    }
+    // Top-k of at most 1000 over the plain normal shapes, unmasked: the top-k-th candidate lies well within the
+    // histogram's 32 nats and its bin holds a few candidates, so the head is about top_k candidates.
+    const int shape = static_cast<int>(r % 7);
+    const bool plain = shape == 0 || shape == 1 || shape == 4 || shape == 6;
+    if (p.temperature != 0.0f && p.top_k >= 1 && p.top_k <= 1000 && plain && b.mask(r).empty()) {
+      EXPECT_EQ(head.head_drawn[r], 1);
+    }
+    if (p.logprobs >= 0) {
+      EXPECT_EQ(std::memcmp(&head.token_logprobs[r], &full.token_logprobs[r], sizeof(float)), 0);
+      for (int j = 0; j < std::min(p.logprobs, b.max_top); ++j) {
+        EXPECT_EQ(head.top_ids[r * b.max_top + j], full.top_ids[r * b.max_top + j]);
+        EXPECT_EQ(std::memcmp(&head.top_logprobs[r * b.max_top + j], &full.top_logprobs[r * b.max_top + j],
+                              sizeof(float)),
+                  0);
+      }
+    }
+  }
+  check_batch(b, uniforms, exact, head, name);
+  std::printf("[%s] head path drew %d of %d sampled rows\n", name, drawn, sampled_rows);
+  return drawn;
+}
+
+TEST(SampleRows, HeadPathGivesTheFullSortsTokens) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const int64_t V : {int64_t{129280}, int64_t{163840}}) {
+    int drawn = 0;
+    uint64_t seed = static_cast<uint64_t>(V);
+    for (const int64_t rows : {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{256}}) {
+      const std::string name = "head V=" + std::to_string(V) + " rows=" + std::to_string(rows);
+      drawn += run_head_vs_full(rows, V, ++seed, name.c_str());
+    }
+    EXPECT_GT(drawn, 100) << "the head path drew too few rows at V=" << V;
+  }
+  run_head_vs_full(64, 4096, 77, "head V=4096 rows=64");  // short rows: whole rows in the head
+  run_head_vs_full(16, 2048, 78, "head V=2048 rows=16");
+}
+
+// Top-p rows sampled with many uniforms over one row each (the cut and the draw in every part of the head), at
+// both temperatures: the full sort's token for every uniform.
+TEST(SampleRows, HeadPathTopPOverManyUniforms) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t V = 163840, rows = 96;
+  std::mt19937_64 rng(91);
+  std::vector<float> shapes = shaped_logits(7, V, rng);
+  Batch b;
+  b.vocab = V;
+  b.logit_rows = 7;
+  b.logits = shapes;
+  b.source_rows.resize(rows);
+  std::vector<double> uniforms;
+  for (int64_t r = 0; r < rows; ++r) {
+    b.source_rows[r] = static_cast<int32_t>(r % 6);  // not the flat shape
+    // Options independent of the shape: temperature by r / 6, top-p by r / 12, min-p by r / 36.
+    const int64_t o = r / 6;
+    const float top_p = (o / 2) % 3 == 0 ? 0.95f : (o / 2) % 3 == 1 ? 0.8f : 0.5f;
+    SampleRowParams p = sampled(o % 2 ? 0.6f : 1.0f, 0, top_p, (o / 6) % 2 ? 0.05f : 0.0f);
+    p.uniform = draw_uniform(rng);
+    uniforms.push_back(p.uniform);
+    b.params.push_back(p);
+    b.states.emplace_back();
+  }
+  const GpuResult head = run_gpu(b, false), full = run_gpu(b, true);
+  int drawn = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(head.tokens[r], full.tokens[r]) << "row " << r << " (shape " << r % 6 << ")";
+    drawn += head.head_drawn[r];
+  }
+  std::printf("[top-p uniforms] head path drew %d of %lld rows\n", drawn, static_cast<long long>(rows));
+  EXPECT_GT(drawn, rows / 2);
+  check_batch(b, uniforms, std::vector<bool>(uniforms.size(), false), head, "top-p uniforms");
+}
+
+// A batch of greedy rows only (penalties, masks, logprobs, ties among them) with greedy_only (one launch): the
+// full sort's tokens and log-probabilities, bit for bit, and the CPU's tokens.
+TEST(SampleRows, GreedyOnlyIsOneLaunchWithTheSameTokens) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t V = 129280, rows = 40;
+  std::mt19937_64 rng(55);
+  Batch b;
+  b.vocab = V;
+  b.logit_rows = rows;
+  b.logits = shaped_logits(rows, V, rng);
+  b.max_top = 4;
+  const int64_t W = (V + 31) / 32;
+  std::uniform_int_distribution<int64_t> pick(0, V - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    SampleRowParams p = sampled(0.0f);
+    if (r % 3 == 1) {
+      p.presence_penalty = 0.5f;
+      p.repetition_penalty = 1.3f;
+    }
+    if (r % 4 == 2) p.logprobs = 2;
+    b.params.push_back(p);
+    b.states.push_back(random_state(V, rng));
+    std::vector<uint32_t> m;
+    if (r % 5 == 3 && r % 7 != 5) {  // not the shape with 5 finite logits: a mask of -inf tokens only
+      m.assign(static_cast<size_t>(W), 0u);
+      for (int k = 0; k < 50; ++k) {
+        const int64_t t = pick(rng);
+        m[t >> 5] |= 1u << (t & 31);
+      }
+    }
+    b.masks.push_back(std::move(m));
+  }
+  const GpuResult one = run_gpu(b, false, true), full = run_gpu(b, true);
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(one.tokens[r], full.tokens[r]) << "row " << r;
+    EXPECT_EQ(one.head_drawn[r], 1) << "row " << r;
+    if (b.params[r].logprobs >= 0) {
+      EXPECT_EQ(std::memcmp(&one.token_logprobs[r], &full.token_logprobs[r], sizeof(float)), 0) << "row " << r;
+      for (int j = 0; j < 2; ++j) EXPECT_EQ(one.top_ids[r * b.max_top + j], full.top_ids[r * b.max_top + j]);
+    }
+  }
+  check_batch(b, std::vector<double>(static_cast<size_t>(rows), 0.0), std::vector<bool>(static_cast<size_t>(rows), true),
+              one, "greedy only");
 }
 
 TEST(SampleRows, ArgumentErrors) {
