@@ -520,9 +520,12 @@ __global__ void __launch_bounds__(kThreads) head_kernel(SampleRowsArgs a, Prepar
 
   bool finished = false;  // block-uniform
   int32_t token = best.id;
+  // No top-k, top-p 1 and no min-p in a row longer than kHeadCap: the head is the whole row, larger than the cap,
+  // so the row goes straight to the full sort (no histogram pass that could only end there).
+  const bool whole_row = V > kHeadCap && !(p.top_k > 0 && p.top_k < V) && p.top_p >= 1.0f && p.min_p <= 0.0f;
   if (greedy) {
     finished = true;
-  } else if (isfinite(key_logit(best.key))) {
+  } else if (!whole_row && isfinite(key_logit(best.key))) {
     const float top = key_logit(best.key);
     const float scale = __fdiv_rn(64.0f, p.temperature);
     const int64_t n = p.top_k > 0 && p.top_k < V ? p.top_k : V;

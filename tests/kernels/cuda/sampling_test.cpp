@@ -957,7 +957,8 @@ int run_head_vs_full(int64_t rows, int64_t V, uint64_t seed, const char* name) {
     // histogram's 32 nats and its bin holds a few candidates, so the head is about top_k candidates.
     const int shape = static_cast<int>(r % 7);
     const bool plain = shape == 0 || shape == 1 || shape == 4 || shape == 6;
-    if (p.temperature != 0.0f && p.top_k >= 1 && p.top_k <= 1000 && plain && b.mask(r).empty()) {
+    // (At the real vocabularies: in a small one, top_k 1000 is a quarter of the row and the head may pass 2048.)
+    if (V >= 65536 && p.temperature != 0.0f && p.top_k >= 1 && p.top_k <= 1000 && plain && b.mask(r).empty()) {
       EXPECT_EQ(head.head_drawn[r], 1);
     }
     if (p.logprobs >= 0) {
