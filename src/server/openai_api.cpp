@@ -179,7 +179,9 @@ awaitable<void> OpenAIApi::route(HttpExchange& ex) {
     co_await rl_.handle(ex);
     co_return;
   }
-  if (path == "/tokenize") {  // renders and tokenises: text work
+  // Text work (parsing, rendering, tokenising, detokenising: costs that grow with the request) runs on the text
+  // threads, so that a large one never holds up an HTTP thread.
+  if (path == "/tokenize" || path == "/detokenize") {
     SimpleResponse r{200, ""};
     if (!co_await off_thread(ex, [&](const std::atomic<bool>& cancel) { r = simple_route(ex, &cancel); })) co_return;
     co_await ex.reply(r.status, std::move(r.body), r.content_type);

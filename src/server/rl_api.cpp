@@ -99,10 +99,19 @@ awaitable<void> RlApi::pause(HttpExchange& ex) {
   co_await ex.reply(200, dump(body));
 }
 
-std::vector<int32_t> RlApi::ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt,
-                                   bool add_special) const {
-  if (const auto* s = std::get_if<std::string>(&prompt))
+std::vector<int32_t> RlApi::ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt, bool add_special,
+                                   const char* param) const {
+  if (const auto* s = std::get_if<std::string>(&prompt)) {
+    // As the generation routes do: a text that cannot fit whatever its tokens is refused before it is tokenised
+    // (each token stands for at most max_token_bytes() bytes; twice that leaves room for normalizers).
+    const uint64_t max_len = static_cast<uint64_t>(loop_.max_model_len());
+    if (s->size() > max_len * 2 * tok_.max_token_bytes())
+      bad_request(param,
+                  "This model's maximum context length is {} tokens. However, your request's {} is {} bytes long, "
+                  "which is more than {} tokens whatever its text. Please reduce the length of the input.",
+                  max_len, param, s->size(), max_len);
     return tok_.encode(*s, {.parse_special = true, .add_special_tokens = add_special});
+  }
   return std::get<std::vector<int32_t>>(prompt);
 }
 
@@ -122,10 +131,10 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
     seqs.assign(P, {});
     starts.assign(P, 0);
     for (size_t i = 0; i < P; ++i) {
-      seqs[i] = ids_of(r.prompts[i], false);
+      seqs[i] = ids_of(r.prompts[i], false, "prompt");
       starts[i] = r.start;
       if (!r.responses.empty()) {
-        const std::vector<int32_t> response = ids_of(r.responses[i], false);
+        const std::vector<int32_t> response = ids_of(r.responses[i], false, "response");
         if (response.empty()) bad_request("response", "response {} is empty after tokenisation", i);
         starts[i] = static_cast<int64_t>(seqs[i].size());
         seqs[i].insert(seqs[i].end(), response.begin(), response.end());

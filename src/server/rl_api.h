@@ -36,7 +36,9 @@ class RlApi {
  private:
   awaitable<void> pause(HttpExchange& ex);
   awaitable<void> score_tokens(HttpExchange& ex);
-  std::vector<int32_t> ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt, bool add_special) const;
+  // `param` names the field in a 400 (a text too long to fit max_model_len whatever its tokens).
+  std::vector<int32_t> ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt, bool add_special,
+                              const char* param) const;
 
   std::string model_name_;
   const text::Tokenizer& tok_;

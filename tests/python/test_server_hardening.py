@@ -73,6 +73,13 @@ def test_prompt_far_over_the_context_is_refused_before_tokenising(server):
                        {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 700000}], "max_tokens": 1})
     assert status == 400
     assert "bytes long" in r["error"]["message"]
+    # /v1/score_tokens tokenised such a prompt (and its response) whole before counting its tokens.
+    for body in [{"model": "tiny", "prompt": "ab " * 700000},
+                 {"model": "tiny", "prompt": "x", "response": "ab " * 700000}]:
+        status, r = h.post(server.url + "/v1/score_tokens", body)
+        assert status == 400, r
+        assert "bytes long, which is more than 512 tokens" in r["error"]["message"]
+        assert r["error"]["param"] == ("response" if "response" in body else "prompt")
 
 
 def test_http10_stream_is_not_chunked(server):
@@ -300,3 +307,41 @@ def test_full_text_queue_answers_429(tiny_dir, tmp_path):  # noqa: F811
         assert sorted(st for st, _ in results) == [400, 400]  # both rendered to their step budget
     finally:
         assert s.stop() == 0
+
+
+def test_large_detokenize_does_not_hold_up_health(tiny_dir):  # noqa: F811
+    # /detokenize parsed its body and decoded its ids on the HTTP thread: with one HTTP thread, a request of three
+    # million ids held /health for its whole decoding (about 0.3 s here). It runs on the text thread now.
+    s = h.Server(tiny_dir, "--http-threads", 1, "--text-threads", 1)
+    try:
+        status, r = h.post(s.url + "/tokenize", {"model": "tiny", "prompt": "hello world "})
+        assert status == 200
+        unit = r["tokens"]
+        reps = 3000000 // len(unit)
+        body = json.dumps({"model": "tiny", "tokens": unit * reps}).encode()
+        results, ends = [], []
+
+        def detok():
+            results.append(h.post(s.url + "/detokenize", body, timeout=300))
+            ends.append(time.monotonic())
+
+        senders = [threading.Thread(target=detok) for _ in range(2)]
+        for t in senders:
+            t.start()
+        time.sleep(0.05)
+        probes = []
+        for _ in range(40):  # a fixed count of probes, 25 ms apart
+            t0 = time.monotonic()
+            assert s.get("/health")[0] == 200
+            probes.append((t0, time.monotonic() - t0))
+            time.sleep(0.025)
+        for t in senders:
+            t.join(300)
+        assert [st for st, _ in results] == [200] * 2
+        assert all(r["prompt"] == "hello world " * reps for _, r in results)
+        # Not vacuous: the probes ran while the requests were being served.
+        assert probes[0][0] < max(ends), (probes[0][0], ends)
+        assert max(lat for _, lat in probes) < 0.1, sorted(lat for _, lat in probes)[-5:]
+    finally:
+        assert s.stop() == 0
+
