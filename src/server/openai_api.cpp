@@ -253,7 +253,11 @@ OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex, const 
   }
   if (path == "/metrics") {
     need(http::verb::get);
-    return {200, metrics_.render(loop_.snapshot()), "text/plain; version=0.0.4; charset=utf-8"};
+    ServerGauges g;
+    g.open_connections = open_connections_ ? open_connections_() : 0;
+    g.text_tasks_waiting = static_cast<int64_t>(text_pool_.queued());
+    g.text_tasks_running = static_cast<int64_t>(text_pool_.running());
+    return {200, metrics_.render(loop_.snapshot(), g), "text/plain; version=0.0.4; charset=utf-8"};
   }
   if (path == "/version") {
     need(http::verb::get);

@@ -56,6 +56,8 @@ class OpenAIApi {
   awaitable<void> handle(HttpExchange& ex);
   // SIGTERM: running renders are cancelled, queued text work gets 503, the text threads are joined.
   void stop_text_work() { text_pool_.stop(); }
+  // Where /metrics reads kestrel:num_open_connections (the HTTP server, made after the API).
+  void set_open_connections(std::function<int()> f) { open_connections_ = std::move(f); }
 
  private:
   struct Job;
@@ -97,6 +99,7 @@ class OpenAIApi {
   std::mutex seed_mu_;
   std::mt19937_64 seed_rng_;
   StructuredOutputs structured_;
+  std::function<int()> open_connections_;
   TextPool text_pool_;  // last: its threads stop before the members they use go
 };
 

@@ -79,4 +79,9 @@ size_t TextPool::queued() const {
   return queue_.size();
 }
 
+size_t TextPool::running() const {
+  std::lock_guard lock(mu_);
+  return running_.size();
+}
+
 }  // namespace kestrel::server

@@ -34,7 +34,8 @@ class TextPool {
   std::shared_ptr<Task> submit(std::function<void(const std::atomic<bool>&)> work, std::function<void()> notify);
   // Cancels the running tasks, fails the queued ones (ApiError 503) and joins the threads.
   void stop();
-  size_t queued() const;
+  size_t queued() const;   // waiting for a thread
+  size_t running() const;  // on a thread now
   bool stopped() const { return stopped_; }
 
  private:

@@ -345,3 +345,40 @@ def test_large_detokenize_does_not_hold_up_health(tiny_dir):  # noqa: F811
     finally:
         assert s.stop() == 0
 
+
+def test_connection_and_text_work_gauges(tiny_dir, tmp_path):  # noqa: F811
+    tmpl = tmp_path / "slow.jinja"
+    tmpl.write_text("{% for i in range(5000000) %}{% set s = i ~ 'abc' %}{% endfor %}{{ messages[0].content }}")
+    s = h.Server(tiny_dir, "--chat-template", tmpl, "--text-threads", 1)
+    try:
+        m = s.metrics()
+        assert m["kestrel:num_open_connections"] == 1  # the /metrics request's own
+        assert m["kestrel:num_text_tasks_waiting"] == 0 and m["kestrel:num_text_tasks_running"] == 0
+        idle = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(3)]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(h.post(s.url + "/v1/chat/completions", chat)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        m = s.metrics()
+        # 3 idle sockets, 2 chat requests (one rendering, one queued behind it) and this one.
+        assert m["kestrel:num_open_connections"] == 6, m["kestrel:num_open_connections"]
+        assert m["kestrel:num_text_tasks_running"] == 1
+        assert m["kestrel:num_text_tasks_waiting"] == 1
+        for t in threads:
+            t.join(120)
+        assert sorted(st for st, _ in results) == [400, 400]
+        for c in idle:
+            c.close()
+        m = s.metrics()
+        for _ in range(100):  # the server sees the closes a moment later
+            if m["kestrel:num_open_connections"] == 1:
+                break
+            time.sleep(0.02)
+            m = s.metrics()
+        assert m["kestrel:num_open_connections"] == 1
+        assert m["kestrel:num_text_tasks_waiting"] == 0 and m["kestrel:num_text_tasks_running"] == 0
+    finally:
+        assert s.stop() == 0
