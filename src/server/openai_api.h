@@ -70,8 +70,11 @@ class OpenAIApi {
   // The routes answered without waiting on the engine.
   SimpleResponse simple_route(const HttpExchange& ex, const std::atomic<bool>* cancel = nullptr) const;
   // Runs `work` on the text threads and waits for it; a client that goes away cancels it. False when the client
-  // went away (nothing is to be answered).
-  awaitable<bool> off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work);
+  // went away (nothing is to be answered). `answer`: the work builds the answer of a request the engine has
+  // served; it is not refused for a full queue, and after SIGTERM (the text threads stopped, running requests
+  // still finishing) it runs here instead.
+  awaitable<bool> off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work,
+                             bool answer = false);
   awaitable<void> completions(HttpExchange& ex);
   awaitable<void> chat(HttpExchange& ex);
   void prepare_completions(const std::string& body, Job& job, const std::atomic<bool>& cancel);

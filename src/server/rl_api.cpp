@@ -150,7 +150,7 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
     }
   };
   if (off_thread_) {
-    if (!co_await off_thread_(ex, prepare)) co_return;
+    if (!co_await off_thread_(ex, prepare, false)) co_return;
   } else {
     const std::atomic<bool> never{false};
     prepare(never);
@@ -204,47 +204,59 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
   if (gone) co_return;
   if (failure) throw *failure;
 
+  // The answer: every scored token (and its alternatives) detokenised, which grows with the sequences. On the text
+  // threads too.
   auto token_text = [&](int32_t id) {
     if (r.return_tokens_as_token_ids) return fmt::format("token_id:{}", id);
     return tok_.is_known(id) ? tok_.decode({&id, 1}) : std::string();
   };
-  Json data = Json::array();
-  int64_t total = 0, cached = 0;
-  for (size_t i = 0; i < P; ++i) {
-    const RequestOutput& o = *outs[i];
-    if (static_cast<int64_t>(o.prompt_logprobs.size()) != static_cast<int64_t>(seqs[i].size()) - starts[i])
-      throw ApiError(503, fmt::format("sequence {} was aborted before it was scored", i));
-    Json lps = Json::array(), tokens = Json::array(), top = Json::array();
-    for (const TokenLogprob& lp : o.prompt_logprobs) {
-      lps.push_back(lp.logprob);
-      tokens.push_back(token_text(lp.token));
-      if (r.top_logprobs > 0) {
-        Json alt = Json::object();
-        for (const auto& [t, l] : lp.top) alt[token_text(t)] = l;
-        top.push_back(std::move(alt));
+  std::string answer;
+  auto build = [&](const std::atomic<bool>&) {
+    Json data = Json::array();
+    int64_t total = 0, cached = 0;
+    for (size_t i = 0; i < P; ++i) {
+      const RequestOutput& o = *outs[i];
+      if (static_cast<int64_t>(o.prompt_logprobs.size()) != static_cast<int64_t>(seqs[i].size()) - starts[i])
+        throw ApiError(503, fmt::format("sequence {} was aborted before it was scored", i));
+      Json lps = Json::array(), tokens = Json::array(), top = Json::array();
+      for (const TokenLogprob& lp : o.prompt_logprobs) {
+        lps.push_back(lp.logprob);
+        tokens.push_back(token_text(lp.token));
+        if (r.top_logprobs > 0) {
+          Json alt = Json::object();
+          for (const auto& [t, l] : lp.top) alt[token_text(t)] = l;
+          top.push_back(std::move(alt));
+        }
       }
+      Json item = {{"index", i},
+                   {"start", starts[i]},
+                   {"token_ids", std::vector<int32_t>(seqs[i].begin() + starts[i], seqs[i].end())},
+                   {"tokens", tokens},
+                   {"logprobs", lps},
+                   {"top_logprobs", r.top_logprobs > 0 ? top : Json(nullptr)}};
+      data.push_back(std::move(item));
+      total += static_cast<int64_t>(seqs[i].size());
+      cached += reqs[i]->cached_tokens();
     }
-    Json item = {{"index", i},
-                 {"start", starts[i]},
-                 {"token_ids", std::vector<int32_t>(seqs[i].begin() + starts[i], seqs[i].end())},
-                 {"tokens", tokens},
-                 {"logprobs", lps},
-                 {"top_logprobs", r.top_logprobs > 0 ? top : Json(nullptr)}};
-    data.push_back(std::move(item));
-    total += static_cast<int64_t>(seqs[i].size());
-    cached += reqs[i]->cached_tokens();
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    const Json body = {{"id", fmt::format("score-{:016x}", rng())},
+                       {"object", "score_tokens"},
+                       {"model", model_name_},
+                       {"data", data},
+                       {"usage",
+                        {{"prompt_tokens", total},
+                         {"total_tokens", total},
+                         {"completion_tokens", 0},
+                         {"prompt_tokens_details", {{"cached_tokens", cached}}}}}};
+    answer = dump(body);
+  };
+  if (off_thread_) {
+    if (!co_await off_thread_(ex, build, true)) co_return;
+  } else {
+    const std::atomic<bool> never{false};
+    build(never);
   }
-  thread_local std::mt19937_64 rng{std::random_device{}()};
-  const Json body = {{"id", fmt::format("score-{:016x}", rng())},
-                     {"object", "score_tokens"},
-                     {"model", model_name_},
-                     {"data", data},
-                     {"usage",
-                      {{"prompt_tokens", total},
-                       {"total_tokens", total},
-                       {"completion_tokens", 0},
-                       {"prompt_tokens_details", {{"cached_tokens", cached}}}}}};
-  co_await ex.reply(200, dump(body));
+  co_await ex.reply(200, std::move(answer));
 }
 
 }  // namespace kestrel::server

@@ -382,3 +382,67 @@ def test_connection_and_text_work_gauges(tiny_dir, tmp_path):  # noqa: F811
         assert m["kestrel:num_text_tasks_waiting"] == 0 and m["kestrel:num_text_tasks_running"] == 0
     finally:
         assert s.stop() == 0
+
+
+def test_large_answer_is_built_off_the_http_thread(tiny_dir):  # noqa: F811
+    # The answer of /v1/score_tokens (each scored token and its 20 alternatives detokenised, a few MB of JSON) was
+    # built on the HTTP thread: with one HTTP thread, /health waited about 0.2 s for it. Built on the text threads now
+    # (as the non-streaming answers of the generation routes are).
+    n, seqs = 2000, 8
+    s = h.Server(tiny_dir, "--http-threads", 1, "--max-model-len", n + 16)
+    try:
+        prompt = [65 + i % 50 for i in range(n)]
+        body = json.dumps({"model": "tiny", "prompt": [prompt] * seqs, "top_logprobs": 20}).encode()
+        answer = {}
+
+        def score():  # raw bytes: parsing megabytes of JSON here would hold the GIL the probes below need
+            answer["head"], answer["body"] = raw_post(s.port, "/v1/score_tokens", body)
+
+        t = threading.Thread(target=score)
+        t.start()
+        probes = []
+        while t.is_alive():  # until the answer is in
+            t0 = time.monotonic()
+            assert s.get("/health")[0] == 200
+            probes.append(time.monotonic() - t0)
+            time.sleep(0.025)
+        t.join()
+        assert answer["head"].startswith("HTTP/1.1 200"), answer["head"]
+        r = json.loads(answer["body"])
+        assert [len(d["logprobs"]) for d in r["data"]] == [n - 1] * seqs
+        # 20 alternatives each, keyed by their text (alternatives of the same text share a key).
+        tops = [len(top) for d in r["data"] for top in d["top_logprobs"]]
+        assert len(tops) == (n - 1) * seqs and max(tops) == 20 and min(tops) >= 1
+        assert len(probes) > 20
+        assert max(probes) < 0.1, sorted(probes)[-5:]
+    finally:
+        assert s.stop() == 0
+
+
+def test_non_streaming_answer_after_sigterm(tiny_dir):  # noqa: F811
+    # SIGTERM stops the text threads at once, but requests already running finish: the answer of one that ends
+    # while the server drains is built all the same (on its HTTP thread, the text threads being gone).
+    s = h.Server(tiny_dir, "--shutdown-timeout", 60, "--max-model-len", 4096)
+    result = {}
+
+    def complete():
+        result["r"] = h.post(s.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1500,
+                                                         "ignore_eos": True, "logprobs": 2})
+
+    t = threading.Thread(target=complete)
+    try:
+        t.start()
+        for _ in range(500):  # until the request runs
+            if s.metrics()["kestrel:num_requests_running"] == 1:
+                break
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        status, r = result["r"]
+        assert status == 200, r
+        assert r["usage"]["completion_tokens"] == 1500
+        assert len(r["choices"][0]["logprobs"]["tokens"]) == 1500
+        assert any("waiting up to 60 s for 1 running" in line for line in s.log), s.log  # it ran past the SIGTERM
+    finally:
+        t.join(120)
+        assert s.stop() == 0
