@@ -189,9 +189,13 @@ def test_slow_template_does_not_block_health_and_sigterm_cancels_it(tiny_dir, tm
         t = threading.Thread(target=chat)
         t.start()
         time.sleep(0.2)
+        sigterm = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         t.join(120)
         assert result["status"] == 503, result
+        # And the process exits promptly (it outlived SIGTERM by 45 s before: the render ran to its end).
+        assert s.proc.wait(30) == 0
+        assert time.monotonic() - sigterm < 5, time.monotonic() - sigterm
     finally:
         s.stop()
 
