@@ -119,7 +119,7 @@ void ServerMetrics::record_response(int status) {
   ++responses_[status];
 }
 
-std::string ServerMetrics::render(const EngineSnapshot& s) const {
+std::string ServerMetrics::render(const EngineSnapshot& s, const ServerGauges& g) const {
   const std::string lab = fmt::format("model_name=\"{}\"", label_value(model_name_));
   std::string out;
   auto gauge = [&](const char* name, const char* help, double v) {
@@ -136,6 +136,12 @@ std::string ServerMetrics::render(const EngineSnapshot& s) const {
         static_cast<double>(s.in_flight));
   gauge("kestrel:kv_cache_usage_perc", "KV-cache usage: the fraction of cache rows held by sequences (1 = 100%).",
         s.kv_cache_usage);
+  gauge("kestrel:num_open_connections", "TCP connections open now (this one included).",
+        static_cast<double>(g.open_connections));
+  gauge("kestrel:num_text_tasks_waiting", "Text work (parsing, chat templates, tokenising) queued for a text thread.",
+        static_cast<double>(g.text_tasks_waiting));
+  gauge("kestrel:num_text_tasks_running", "Text work running on a text thread now.",
+        static_cast<double>(g.text_tasks_running));
   counter("kestrel:prefix_cache_queries_total", "Prefix cache queries, in prompt tokens queried.",
           static_cast<double>(s.prefix.query_tokens));
   counter("kestrel:prefix_cache_hits_total", "Prefix cache hits, in prompt tokens found cached.",

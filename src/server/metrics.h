@@ -40,6 +40,13 @@ struct RequestRecord {
   std::string finished_reason;  // stop, length, abort, error
 };
 
+// Gauges of the HTTP side, read when /metrics is rendered.
+struct ServerGauges {
+  int64_t open_connections = 0;    // TCP connections open now (the one asking for /metrics included)
+  int64_t text_tasks_waiting = 0;  // text work queued for a text thread
+  int64_t text_tasks_running = 0;  // text work on a text thread now
+};
+
 class ServerMetrics {
  public:
   // `max_model_len` bounds the token-count histograms (1-2-5 steps up to it, as vLLM's).
@@ -52,7 +59,7 @@ class ServerMetrics {
   void record_rejected(int status);
   // Counts every HTTP response by status (kestrel:http_requests_total): 500s show up here.
   void record_response(int status);
-  std::string render(const EngineSnapshot& s) const;
+  std::string render(const EngineSnapshot& s, const ServerGauges& g = {}) const;
 
  private:
   std::string model_name_;

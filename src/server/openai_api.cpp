@@ -95,8 +95,8 @@ OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const t
       text_pool_(opts.text_threads, opts.text_queue) {
   rl_.set_aliases(opts.model_aliases);
   rl_.set_model_resolver([this](const std::string& model) { return check_model(model); });
-  rl_.set_off_thread([this](HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work) {
-    return off_thread(ex, std::move(work));
+  rl_.set_off_thread([this](HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work, bool answer) {
+    return off_thread(ex, std::move(work), answer);
   });
 }
 
@@ -192,7 +192,9 @@ awaitable<void> OpenAIApi::route(HttpExchange& ex) {
     });
     co_return;
   }
-  if (path == "/tokenize") {  // renders and tokenises: text work
+  // Text work (parsing, rendering, tokenising, detokenising: costs that grow with the request) runs on the text
+  // threads, so that a large one never holds up an HTTP thread.
+  if (path == "/tokenize" || path == "/detokenize") {
     SimpleResponse r{200, ""};
     if (!co_await off_thread(ex, [&](const std::atomic<bool>& cancel) { r = simple_route(ex, &cancel); })) co_return;
     co_await ex.reply(r.status, std::move(r.body), r.content_type);
@@ -202,8 +204,21 @@ awaitable<void> OpenAIApi::route(HttpExchange& ex) {
   co_await ex.reply(r.status, std::move(r.body), r.content_type);
 }
 
-awaitable<bool> OpenAIApi::off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work) {
-  const auto task = text_pool_.submit(std::move(work), ex.notifier());
+awaitable<bool> OpenAIApi::off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work,
+                                      bool answer) {
+  static const std::atomic<bool> never{false};
+  std::shared_ptr<TextPool::Task> task;
+  if (answer && text_pool_.stopped()) {
+    work(never);
+    co_return !ex.client_gone();
+  }
+  try {
+    task = text_pool_.submit(work, ex.notifier(), !answer);
+  } catch (const ApiError& e) {
+    if (!answer || e.status() != 503) throw;
+    work(never);  // stopped since the check above
+    co_return !ex.client_gone();
+  }
   ex.watch_disconnect();
   // `work` refers to this coroutine's frame: wait for it to end even when the client is gone (it was told to
   // cancel, and a cancelled render stops within a few hundred steps).
@@ -216,6 +231,10 @@ awaitable<bool> OpenAIApi::off_thread(HttpExchange& ex, std::function<void(const
     }
   }
   if (ex.client_gone()) co_return false;
+  if (answer && task->dropped) {
+    work(never);
+    co_return true;
+  }
   if (task->error) {
     if (text_pool_.stopped()) {
       try {
@@ -266,7 +285,11 @@ OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex, const 
   }
   if (path == "/metrics") {
     need(http::verb::get);
-    return {200, metrics_.render(loop_.snapshot()), "text/plain; version=0.0.4; charset=utf-8"};
+    ServerGauges g;
+    g.open_connections = open_connections_ ? open_connections_() : 0;
+    g.text_tasks_waiting = static_cast<int64_t>(text_pool_.queued());
+    g.text_tasks_running = static_cast<int64_t>(text_pool_.running());
+    return {200, metrics_.render(loop_.snapshot(), g), "text/plain; version=0.0.4; charset=utf-8"};
   }
   if (path == "/version") {
     need(http::verb::get);
@@ -609,7 +632,9 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
   }
   ex.watch_disconnect();
 
-  std::vector<Json> prompt_logprobs(P);  // with gen.prompt_logprobs >= 0, once each request finished
+  std::vector<Json> prompt_logprobs(P);  // with gen.prompt_logprobs >= 0: built with the answer
+  std::vector<std::vector<TokenLogprob>> prompt_lps(P);  // ... from these, once each request finished
+  std::vector<int64_t> prompt_lps_start(P, 0);
   std::vector<std::vector<TokenLogprob>> echo_lps(P);  // with echo_logprobs: positions 1.. of each prompt
   std::vector<bool> over(P, false);
   std::vector<double> finish_time(P, 0);
@@ -669,9 +694,10 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
       if (ev.error) failure = ApiError(ev.error_status == 400 ? 400 : 503, *ev.error);
       if (ev.finished) {
         finish_time[p] = ev.finish_time;
-        if (gen.prompt_logprobs >= 0)
-          prompt_logprobs[p] = prompt_logprobs_json(ev.finished->prompt_logprobs, ev.finished->prompt_logprobs_start,
-                                                    logprob_token);
+        if (gen.prompt_logprobs >= 0) {
+          prompt_lps[p] = ev.finished->prompt_logprobs;
+          prompt_lps_start[p] = ev.finished->prompt_logprobs_start;
+        }
         if (echo_logprobs && ev.finished->prompt_logprobs_start == 1) echo_lps[p] = ev.finished->prompt_logprobs;
         for (const Completion& comp : ev.finished->completions) {
           Choice& c = choices[static_cast<size_t>(p) * n + comp.index];
@@ -756,65 +782,75 @@ awaitable<void> OpenAIApi::generate(HttpExchange& ex, Job& job) {
     co_return;
   }
 
-  // The prompt's tokens before the generated ones (vLLM's echo with logprobs): the first has no context (null).
-  auto with_prompt_logprobs = [&](const Choice& c) {
-    const std::vector<int32_t>& ids = job.prompts[c.prompt];
-    const std::vector<TokenLogprob>& lps = echo_lps[c.prompt];
-    Json out = {{"text_offset", Json::array()}, {"token_logprobs", Json::array()}, {"tokens", Json::array()},
-                {"top_logprobs", Json::array()}};
-    int64_t at = 0;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const std::string text = logprob_token(ids[i]);
-      out["text_offset"].push_back(at);
-      out["tokens"].push_back(text);
-      at += char_count(text);
-      if (i == 0 || i - 1 >= lps.size()) {
-        out["token_logprobs"].push_back(nullptr);
-        out["top_logprobs"].push_back(nullptr);
-        continue;
+  // The answer of a non-streaming request: its prompt and alternative tokens detokenised (echo, prompt_logprobs)
+  // and the JSON written, costs that grow with the request, on the text threads.
+  std::string answer;
+  auto build = [&](const std::atomic<bool>&) {
+    for (int p = 0; p < P; ++p)
+      if (gen.prompt_logprobs >= 0)
+        prompt_logprobs[p] = prompt_logprobs_json(prompt_lps[p], prompt_lps_start[p], logprob_token);
+    // The prompt's tokens before the generated ones (vLLM's echo with logprobs): the first has no context (null).
+    auto with_prompt_logprobs = [&](const Choice& c) {
+      const std::vector<int32_t>& ids = job.prompts[c.prompt];
+      const std::vector<TokenLogprob>& lps = echo_lps[c.prompt];
+      Json out = {{"text_offset", Json::array()}, {"token_logprobs", Json::array()}, {"tokens", Json::array()},
+                  {"top_logprobs", Json::array()}};
+      int64_t at = 0;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const std::string text = logprob_token(ids[i]);
+        out["text_offset"].push_back(at);
+        out["tokens"].push_back(text);
+        at += char_count(text);
+        if (i == 0 || i - 1 >= lps.size()) {
+          out["token_logprobs"].push_back(nullptr);
+          out["top_logprobs"].push_back(nullptr);
+          continue;
+        }
+        const TokenLogprob& lp = lps[i - 1];
+        out["token_logprobs"].push_back(lp.logprob);
+        Json top = Json::object();
+        for (size_t k = 0; k < lp.top.size() && static_cast<int>(k) < gen.top_logprobs; ++k)
+          top[logprob_token(lp.top[k].first)] = lp.top[k].second;
+        out["top_logprobs"].push_back(top);
       }
-      const TokenLogprob& lp = lps[i - 1];
-      out["token_logprobs"].push_back(lp.logprob);
-      Json top = Json::object();
-      for (size_t k = 0; k < lp.top.size() && static_cast<int>(k) < gen.top_logprobs; ++k)
-        top[logprob_token(lp.top[k].first)] = lp.top[k].second;
-      out["top_logprobs"].push_back(top);
+      if (c.logprobs.is_object())
+        for (const char* k : {"text_offset", "token_logprobs", "tokens", "top_logprobs"})
+          for (const Json& v : c.logprobs[k]) out[k].push_back(v);
+      return out;
+    };
+    Json out_choices = Json::array();
+    for (const Choice& c : choices) {
+      Json j = {{"index", c.index}};
+      if (job.chat) {
+        Json calls = Json::array();
+        for (const ToolCallDelta& t : c.total.tool_calls)
+          calls.push_back({{"id", t.id}, {"type", "function"}, {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+        const bool no_content = c.total.content.empty() && !calls.empty();
+        j["message"] = {{"role", "assistant"},
+                        {"content", no_content ? Json(nullptr) : Json(c.total.content)},
+                        {"reasoning_content", c.total.reasoning.empty() ? Json(nullptr) : Json(c.total.reasoning)},
+                        {"tool_calls", calls}};
+      } else {
+        j["text"] = (job.echo.empty() ? std::string() : job.echo[c.prompt]) + c.total.content;
+      }
+      j["logprobs"] = c.logprobs;
+      if (echo_logprobs) j["logprobs"] = with_prompt_logprobs(c);
+      j["finish_reason"] = c.finish_reason.value_or("abort");
+      j["stop_reason"] = c.stop_reason;
+      if (!job.chat && gen.prompt_logprobs >= 0) j["prompt_logprobs"] = prompt_logprobs[c.prompt];
+      out_choices.push_back(std::move(j));
     }
-    if (c.logprobs.is_object())
-      for (const char* k : {"text_offset", "token_logprobs", "tokens", "top_logprobs"})
-        for (const Json& v : c.logprobs[k]) out[k].push_back(v);
-    return out;
+    Json body = {{"id", job.id},
+                 {"object", job.chat ? "chat.completion" : "text_completion"},
+                 {"created", created},
+                 {"model", opts_.served_model_name},
+                 {"choices", out_choices},
+                 {"usage", usage()}};
+    if (job.chat && gen.prompt_logprobs >= 0) body["prompt_logprobs"] = prompt_logprobs[0];
+    answer = dump(body);
   };
-  Json out_choices = Json::array();
-  for (const Choice& c : choices) {
-    Json j = {{"index", c.index}};
-    if (job.chat) {
-      Json calls = Json::array();
-      for (const ToolCallDelta& t : c.total.tool_calls)
-        calls.push_back({{"id", t.id}, {"type", "function"}, {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
-      const bool no_content = c.total.content.empty() && !calls.empty();
-      j["message"] = {{"role", "assistant"},
-                      {"content", no_content ? Json(nullptr) : Json(c.total.content)},
-                      {"reasoning_content", c.total.reasoning.empty() ? Json(nullptr) : Json(c.total.reasoning)},
-                      {"tool_calls", calls}};
-    } else {
-      j["text"] = (job.echo.empty() ? std::string() : job.echo[c.prompt]) + c.total.content;
-    }
-    j["logprobs"] = c.logprobs;
-    if (echo_logprobs) j["logprobs"] = with_prompt_logprobs(c);
-    j["finish_reason"] = c.finish_reason.value_or("abort");
-    j["stop_reason"] = c.stop_reason;
-    if (!job.chat && gen.prompt_logprobs >= 0) j["prompt_logprobs"] = prompt_logprobs[c.prompt];
-    out_choices.push_back(std::move(j));
-  }
-  Json body = {{"id", job.id},
-               {"object", job.chat ? "chat.completion" : "text_completion"},
-               {"created", created},
-               {"model", opts_.served_model_name},
-               {"choices", out_choices},
-               {"usage", usage()}};
-  if (job.chat && gen.prompt_logprobs >= 0) body["prompt_logprobs"] = prompt_logprobs[0];
-  co_await ex.reply(200, dump(body));
+  if (!co_await off_thread(ex, build, true)) co_return;
+  co_await ex.reply(200, std::move(answer));
 }
 
 }  // namespace kestrel::server

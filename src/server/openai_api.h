@@ -58,6 +58,8 @@ class OpenAIApi {
   awaitable<void> handle(HttpExchange& ex);
   // SIGTERM: running renders are cancelled, queued text work gets 503, the text threads are joined.
   void stop_text_work() { text_pool_.stop(); }
+  // Where /metrics reads kestrel:num_open_connections (the HTTP server, made after the API).
+  void set_open_connections(std::function<int()> f) { open_connections_ = std::move(f); }
 
  private:
   struct Job;
@@ -70,8 +72,11 @@ class OpenAIApi {
   // The routes answered without waiting on the engine.
   SimpleResponse simple_route(const HttpExchange& ex, const std::atomic<bool>* cancel = nullptr) const;
   // Runs `work` on the text threads and waits for it; a client that goes away cancels it. False when the client
-  // went away (nothing is to be answered).
-  awaitable<bool> off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work);
+  // went away (nothing is to be answered). `answer`: the work builds the answer of a request the engine has
+  // served; it is not refused for a full queue, and after SIGTERM (the text threads stopped, running requests
+  // still finishing) it runs here instead.
+  awaitable<bool> off_thread(HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work,
+                             bool answer = false);
   awaitable<void> completions(HttpExchange& ex);
   awaitable<void> chat(HttpExchange& ex);
   void prepare_completions(const std::string& body, Job& job, const std::atomic<bool>& cancel);
@@ -101,6 +106,7 @@ class OpenAIApi {
   std::mutex seed_mu_;
   std::mt19937_64 seed_rng_;
   StructuredOutputs structured_;
+  std::function<int()> open_connections_;
   TextPool text_pool_;  // last: its threads stop before the members they use go
 };
 

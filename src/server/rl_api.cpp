@@ -99,10 +99,19 @@ awaitable<void> RlApi::pause(HttpExchange& ex) {
   co_await ex.reply(200, dump(body));
 }
 
-std::vector<int32_t> RlApi::ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt,
-                                   bool add_special) const {
-  if (const auto* s = std::get_if<std::string>(&prompt))
+std::vector<int32_t> RlApi::ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt, bool add_special,
+                                   const char* param) const {
+  if (const auto* s = std::get_if<std::string>(&prompt)) {
+    // As the generation routes do: a text that cannot fit whatever its tokens is refused before it is tokenised
+    // (each token stands for at most max_token_bytes() bytes; twice that leaves room for normalizers).
+    const uint64_t max_len = static_cast<uint64_t>(loop_.max_model_len());
+    if (s->size() > max_len * 2 * tok_.max_token_bytes())
+      bad_request(param,
+                  "This model's maximum context length is {} tokens. However, your request's {} is {} bytes long, "
+                  "which is more than {} tokens whatever its text. Please reduce the length of the input.",
+                  max_len, param, s->size(), max_len);
     return tok_.encode(*s, {.parse_special = true, .add_special_tokens = add_special});
+  }
   return std::get<std::vector<int32_t>>(prompt);
 }
 
@@ -124,10 +133,10 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
     seqs.assign(P, {});
     starts.assign(P, 0);
     for (size_t i = 0; i < P; ++i) {
-      seqs[i] = ids_of(r.prompts[i], false);
+      seqs[i] = ids_of(r.prompts[i], false, "prompt");
       starts[i] = r.start;
       if (!r.responses.empty()) {
-        const std::vector<int32_t> response = ids_of(r.responses[i], false);
+        const std::vector<int32_t> response = ids_of(r.responses[i], false, "response");
         if (response.empty()) bad_request("response", "response {} is empty after tokenisation", i);
         starts[i] = static_cast<int64_t>(seqs[i].size());
         seqs[i].insert(seqs[i].end(), response.begin(), response.end());
@@ -143,7 +152,7 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
     }
   };
   if (off_thread_) {
-    if (!co_await off_thread_(ex, prepare)) co_return;
+    if (!co_await off_thread_(ex, prepare, false)) co_return;
   } else {
     const std::atomic<bool> never{false};
     prepare(never);
@@ -198,47 +207,59 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
   if (gone) co_return;
   if (failure) throw *failure;
 
+  // The answer: every scored token (and its alternatives) detokenised, which grows with the sequences. On the text
+  // threads too.
   auto token_text = [&](int32_t id) {
     if (r.return_tokens_as_token_ids) return fmt::format("token_id:{}", id);
     return tok_.is_known(id) ? tok_.decode({&id, 1}) : std::string();
   };
-  Json data = Json::array();
-  int64_t total = 0, cached = 0;
-  for (size_t i = 0; i < P; ++i) {
-    const RequestOutput& o = *outs[i];
-    if (static_cast<int64_t>(o.prompt_logprobs.size()) != static_cast<int64_t>(seqs[i].size()) - starts[i])
-      throw ApiError(503, fmt::format("sequence {} was aborted before it was scored", i));
-    Json lps = Json::array(), tokens = Json::array(), top = Json::array();
-    for (const TokenLogprob& lp : o.prompt_logprobs) {
-      lps.push_back(lp.logprob);
-      tokens.push_back(token_text(lp.token));
-      if (r.top_logprobs > 0) {
-        Json alt = Json::object();
-        for (const auto& [t, l] : lp.top) alt[token_text(t)] = l;
-        top.push_back(std::move(alt));
+  std::string answer;
+  auto build = [&](const std::atomic<bool>&) {
+    Json data = Json::array();
+    int64_t total = 0, cached = 0;
+    for (size_t i = 0; i < P; ++i) {
+      const RequestOutput& o = *outs[i];
+      if (static_cast<int64_t>(o.prompt_logprobs.size()) != static_cast<int64_t>(seqs[i].size()) - starts[i])
+        throw ApiError(503, fmt::format("sequence {} was aborted before it was scored", i));
+      Json lps = Json::array(), tokens = Json::array(), top = Json::array();
+      for (const TokenLogprob& lp : o.prompt_logprobs) {
+        lps.push_back(lp.logprob);
+        tokens.push_back(token_text(lp.token));
+        if (r.top_logprobs > 0) {
+          Json alt = Json::object();
+          for (const auto& [t, l] : lp.top) alt[token_text(t)] = l;
+          top.push_back(std::move(alt));
+        }
       }
+      Json item = {{"index", i},
+                   {"start", starts[i]},
+                   {"token_ids", std::vector<int32_t>(seqs[i].begin() + starts[i], seqs[i].end())},
+                   {"tokens", tokens},
+                   {"logprobs", lps},
+                   {"top_logprobs", r.top_logprobs > 0 ? top : Json(nullptr)}};
+      data.push_back(std::move(item));
+      total += static_cast<int64_t>(seqs[i].size());
+      cached += reqs[i]->cached_tokens();
     }
-    Json item = {{"index", i},
-                 {"start", starts[i]},
-                 {"token_ids", std::vector<int32_t>(seqs[i].begin() + starts[i], seqs[i].end())},
-                 {"tokens", tokens},
-                 {"logprobs", lps},
-                 {"top_logprobs", r.top_logprobs > 0 ? top : Json(nullptr)}};
-    data.push_back(std::move(item));
-    total += static_cast<int64_t>(seqs[i].size());
-    cached += reqs[i]->cached_tokens();
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    const Json body = {{"id", fmt::format("score-{:016x}", rng())},
+                       {"object", "score_tokens"},
+                       {"model", model_name_},
+                       {"data", data},
+                       {"usage",
+                        {{"prompt_tokens", total},
+                         {"total_tokens", total},
+                         {"completion_tokens", 0},
+                         {"prompt_tokens_details", {{"cached_tokens", cached}}}}}};
+    answer = dump(body);
+  };
+  if (off_thread_) {
+    if (!co_await off_thread_(ex, build, true)) co_return;
+  } else {
+    const std::atomic<bool> never{false};
+    build(never);
   }
-  thread_local std::mt19937_64 rng{std::random_device{}()};
-  const Json body = {{"id", fmt::format("score-{:016x}", rng())},
-                     {"object", "score_tokens"},
-                     {"model", model_name_},
-                     {"data", data},
-                     {"usage",
-                      {{"prompt_tokens", total},
-                       {"total_tokens", total},
-                       {"completion_tokens", 0},
-                       {"prompt_tokens_details", {{"cached_tokens", cached}}}}}};
-  co_await ex.reply(200, dump(body));
+  co_await ex.reply(200, std::move(answer));
 }
 
 }  // namespace kestrel::server

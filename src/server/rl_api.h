@@ -23,8 +23,10 @@ class RlApi {
         ServerMetrics& metrics)
       : model_name_(std::move(served_model_name)), tok_(tok), vocab_size_(vocab_size), loop_(loop), metrics_(metrics) {}
 
-  // Runs text work (parsing, tokenising) off the HTTP threads and waits for it; false when the client went away.
-  using OffThread = std::function<awaitable<bool>(HttpExchange&, std::function<void(const std::atomic<bool>&)>)>;
+  // Runs text work (parsing, tokenising; with `answer`, building the answer of a served request) off the HTTP
+  // threads and waits for it; false when the client went away.
+  using OffThread =
+      std::function<awaitable<bool>(HttpExchange&, std::function<void(const std::atomic<bool>&)>, bool answer)>;
   void set_off_thread(OffThread f) { off_thread_ = std::move(f); }
   // More names a request's `model` may use (several --served-model-name).
   void set_aliases(std::vector<std::string> aliases) { aliases_ = std::move(aliases); }
@@ -39,7 +41,9 @@ class RlApi {
  private:
   awaitable<void> pause(HttpExchange& ex);
   awaitable<void> score_tokens(HttpExchange& ex);
-  std::vector<int32_t> ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt, bool add_special) const;
+  // `param` names the field in a 400 (a text too long to fit max_model_len whatever its tokens).
+  std::vector<int32_t> ids_of(const std::variant<std::string, std::vector<int32_t>>& prompt, bool add_special,
+                              const char* param) const;
 
   std::string model_name_;
   const text::Tokenizer& tok_;

@@ -116,6 +116,7 @@ int serve(const ServeOptions& o) {
   http_opts.body_min_rate = o.body_min_rate;
   http_opts.on_status = [&metrics](int status) { metrics.record_response(status); };
   HttpServer http(http_opts, [&handlers](HttpExchange& ex) { return handlers.handle(ex); });
+  handlers.set_open_connections([&http] { return http.open_connections(); });
   const int port = http.listen();
   loop.start();
   http.start();

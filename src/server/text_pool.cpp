@@ -13,14 +13,14 @@ TextPool::TextPool(int threads, size_t max_queued) : max_queued_(max_queued) {
 TextPool::~TextPool() { stop(); }
 
 std::shared_ptr<TextPool::Task> TextPool::submit(std::function<void(const std::atomic<bool>&)> work,
-                                                 std::function<void()> notify) {
+                                                 std::function<void()> notify, bool bounded) {
   auto t = std::make_shared<Task>();
   t->work = std::move(work);
   t->notify = std::move(notify);
   {
     std::lock_guard lock(mu_);
     if (stopped_) throw ApiError(503, "the server is shutting down");
-    if (queue_.size() >= max_queued_)
+    if (bounded && queue_.size() >= max_queued_)
       throw ApiError(429, "too many requests are waiting for their prompt to be rendered and tokenised; retry later");
     queue_.push_back(t);
   }
@@ -67,6 +67,7 @@ void TextPool::stop() {
   }
   wake_.notify_all();
   for (const auto& t : dropped) {
+    t->dropped = true;
     t->error = std::make_exception_ptr(ApiError(503, "the server is shutting down"));
     finish(*t);
   }
@@ -77,6 +78,11 @@ void TextPool::stop() {
 size_t TextPool::queued() const {
   std::lock_guard lock(mu_);
   return queue_.size();
+}
+
+size_t TextPool::running() const {
+  std::lock_guard lock(mu_);
+  return running_.size();
 }
 
 }  // namespace kestrel::server

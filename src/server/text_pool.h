@@ -22,6 +22,7 @@ class TextPool {
     std::function<void(const std::atomic<bool>& cancel)> work;
     std::function<void()> notify;  // called (on a worker thread) once done is set
     std::atomic<bool> cancel{false}, done{false};
+    bool dropped = false;      // failed by stop() before it ran (set before done)
     std::exception_ptr error;  // what work threw; read once done
   };
 
@@ -30,11 +31,14 @@ class TextPool {
   TextPool(const TextPool&) = delete;
   TextPool& operator=(const TextPool&) = delete;
 
-  // Queues `work`. ApiError 429 when max_queued tasks wait already, 503 after stop().
-  std::shared_ptr<Task> submit(std::function<void(const std::atomic<bool>&)> work, std::function<void()> notify);
+  // Queues `work`. ApiError 429 when max_queued tasks wait already (unless `bounded` is false: the answer of a
+  // request the engine has served, bounded by the engine's own admission), 503 after stop().
+  std::shared_ptr<Task> submit(std::function<void(const std::atomic<bool>&)> work, std::function<void()> notify,
+                               bool bounded = true);
   // Cancels the running tasks, fails the queued ones (ApiError 503) and joins the threads.
   void stop();
-  size_t queued() const;
+  size_t queued() const;   // waiting for a thread
+  size_t running() const;  // on a thread now
   bool stopped() const { return stopped_; }
 
  private:

@@ -73,6 +73,13 @@ def test_prompt_far_over_the_context_is_refused_before_tokenising(server):
                        {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 700000}], "max_tokens": 1})
     assert status == 400
     assert "bytes long" in r["error"]["message"]
+    # /v1/score_tokens tokenised such a prompt (and its response) whole before counting its tokens.
+    for body in [{"model": "tiny", "prompt": "ab " * 700000},
+                 {"model": "tiny", "prompt": "x", "response": "ab " * 700000}]:
+        status, r = h.post(server.url + "/v1/score_tokens", body)
+        assert status == 400, r
+        assert "bytes long, which is more than 512 tokens" in r["error"]["message"]
+        assert r["error"]["param"] == ("response" if "response" in body else "prompt")
 
 
 def test_http10_stream_is_not_chunked(server):
@@ -182,9 +189,13 @@ def test_slow_template_does_not_block_health_and_sigterm_cancels_it(tiny_dir, tm
         t = threading.Thread(target=chat)
         t.start()
         time.sleep(0.2)
+        sigterm = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         t.join(120)
         assert result["status"] == 503, result
+        # And the process exits promptly (it outlived SIGTERM by 45 s before: the render ran to its end).
+        assert s.proc.wait(30) == 0
+        assert time.monotonic() - sigterm < 5, time.monotonic() - sigterm
     finally:
         s.stop()
 
@@ -299,4 +310,143 @@ def test_full_text_queue_answers_429(tiny_dir, tmp_path):  # noqa: F811
             t.join(120)
         assert sorted(st for st, _ in results) == [400, 400]  # both rendered to their step budget
     finally:
+        assert s.stop() == 0
+
+
+def test_large_detokenize_does_not_hold_up_health(tiny_dir):  # noqa: F811
+    # /detokenize parsed its body and decoded its ids on the HTTP thread: with one HTTP thread, a request of three
+    # million ids held /health for its whole decoding (about 0.3 s here). It runs on the text thread now.
+    s = h.Server(tiny_dir, "--http-threads", 1, "--text-threads", 1)
+    try:
+        status, r = h.post(s.url + "/tokenize", {"model": "tiny", "prompt": "hello world "})
+        assert status == 200
+        unit = r["tokens"]
+        reps = 3000000 // len(unit)
+        body = json.dumps({"model": "tiny", "tokens": unit * reps}).encode()
+        results, ends = [], []
+
+        def detok():
+            results.append(h.post(s.url + "/detokenize", body, timeout=300))
+            ends.append(time.monotonic())
+
+        senders = [threading.Thread(target=detok) for _ in range(2)]
+        for t in senders:
+            t.start()
+        time.sleep(0.05)
+        probes = []
+        for _ in range(40):  # a fixed count of probes, 25 ms apart
+            t0 = time.monotonic()
+            assert s.get("/health")[0] == 200
+            probes.append((t0, time.monotonic() - t0))
+            time.sleep(0.025)
+        for t in senders:
+            t.join(300)
+        assert [st for st, _ in results] == [200] * 2
+        assert all(r["prompt"] == "hello world " * reps for _, r in results)
+        # Not vacuous: the probes ran while the requests were being served.
+        assert probes[0][0] < max(ends), (probes[0][0], ends)
+        assert max(lat for _, lat in probes) < 0.1, sorted(lat for _, lat in probes)[-5:]
+    finally:
+        assert s.stop() == 0
+
+
+def test_connection_and_text_work_gauges(tiny_dir, tmp_path):  # noqa: F811
+    tmpl = tmp_path / "slow.jinja"
+    tmpl.write_text("{% for i in range(5000000) %}{% set s = i ~ 'abc' %}{% endfor %}{{ messages[0].content }}")
+    s = h.Server(tiny_dir, "--chat-template", tmpl, "--text-threads", 1)
+    try:
+        m = s.metrics()
+        assert m["kestrel:num_open_connections"] == 1  # the /metrics request's own
+        assert m["kestrel:num_text_tasks_waiting"] == 0 and m["kestrel:num_text_tasks_running"] == 0
+        idle = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(3)]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(h.post(s.url + "/v1/chat/completions", chat)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        m = s.metrics()
+        # 3 idle sockets, 2 chat requests (one rendering, one queued behind it) and this one.
+        assert m["kestrel:num_open_connections"] == 6, m["kestrel:num_open_connections"]
+        assert m["kestrel:num_text_tasks_running"] == 1
+        assert m["kestrel:num_text_tasks_waiting"] == 1
+        for t in threads:
+            t.join(120)
+        assert sorted(st for st, _ in results) == [400, 400]
+        for c in idle:
+            c.close()
+        m = s.metrics()
+        for _ in range(100):  # the server sees the closes a moment later
+            if m["kestrel:num_open_connections"] == 1:
+                break
+            time.sleep(0.02)
+            m = s.metrics()
+        assert m["kestrel:num_open_connections"] == 1
+        assert m["kestrel:num_text_tasks_waiting"] == 0 and m["kestrel:num_text_tasks_running"] == 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_large_answer_is_built_off_the_http_thread(tiny_dir):  # noqa: F811
+    # The answer of /v1/score_tokens (each scored token and its 20 alternatives detokenised, a few MB of JSON) was
+    # built on the HTTP thread: with one HTTP thread, /health waited about 0.2 s for it. Built on the text threads now
+    # (as the non-streaming answers of the generation routes are).
+    n, seqs = 2000, 8
+    s = h.Server(tiny_dir, "--http-threads", 1, "--max-model-len", n + 16)
+    try:
+        prompt = [65 + i % 50 for i in range(n)]
+        body = json.dumps({"model": "tiny", "prompt": [prompt] * seqs, "top_logprobs": 20}).encode()
+        answer = {}
+
+        def score():  # raw bytes: parsing megabytes of JSON here would hold the GIL the probes below need
+            answer["head"], answer["body"] = raw_post(s.port, "/v1/score_tokens", body)
+
+        t = threading.Thread(target=score)
+        t.start()
+        probes = []
+        while t.is_alive():  # until the answer is in
+            t0 = time.monotonic()
+            assert s.get("/health")[0] == 200
+            probes.append(time.monotonic() - t0)
+            time.sleep(0.025)
+        t.join()
+        assert answer["head"].startswith("HTTP/1.1 200"), answer["head"]
+        r = json.loads(answer["body"])
+        assert [len(d["logprobs"]) for d in r["data"]] == [n - 1] * seqs
+        # 20 alternatives each, keyed by their text (alternatives of the same text share a key).
+        tops = [len(top) for d in r["data"] for top in d["top_logprobs"]]
+        assert len(tops) == (n - 1) * seqs and max(tops) == 20 and min(tops) >= 1
+        assert len(probes) > 20
+        assert max(probes) < 0.1, sorted(probes)[-5:]
+    finally:
+        assert s.stop() == 0
+
+
+def test_non_streaming_answer_after_sigterm(tiny_dir):  # noqa: F811
+    # SIGTERM stops the text threads at once, but requests already running finish: the answer of one that ends
+    # while the server drains is built all the same (on its HTTP thread, the text threads being gone).
+    s = h.Server(tiny_dir, "--shutdown-timeout", 60, "--max-model-len", 4096)
+    result = {}
+
+    def complete():
+        result["r"] = h.post(s.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1500,
+                                                         "ignore_eos": True, "logprobs": 2})
+
+    t = threading.Thread(target=complete)
+    try:
+        t.start()
+        for _ in range(500):  # until the request runs
+            if s.metrics()["kestrel:num_requests_running"] == 1:
+                break
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        status, r = result["r"]
+        assert status == 200, r
+        assert r["usage"]["completion_tokens"] == 1500
+        assert len(r["choices"][0]["logprobs"]["tokens"]) == 1500
+        assert any("waiting up to 60 s for 1 running" in line for line in s.log), s.log  # it ran past the SIGTERM
+    finally:
+        t.join(120)
         assert s.stop() == 0

@@ -147,6 +147,8 @@ TEST(TextPool, StopCancelsRunningAndFailsQueued) {
   while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   auto queued = pool.submit([](const std::atomic<bool>&) {}, nullptr);
   auto queued2 = pool.submit([](const std::atomic<bool>&) {}, nullptr);
+  EXPECT_EQ(pool.running(), 1u);  // what kestrel:num_text_tasks_running / _waiting show
+  EXPECT_EQ(pool.queued(), 2u);
   try {  // the queue holds 2
     pool.submit([](const std::atomic<bool>&) {}, nullptr);
     FAIL() << "no 429";
@@ -155,6 +157,8 @@ TEST(TextPool, StopCancelsRunningAndFailsQueued) {
   }
   pool.stop();
   EXPECT_TRUE(running->done && queued->done && queued2->done);
+  EXPECT_EQ(pool.running(), 0u);
+  EXPECT_EQ(pool.queued(), 0u);
   EXPECT_TRUE(running->cancel);
   ASSERT_TRUE(queued->error);
   try {

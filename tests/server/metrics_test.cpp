@@ -66,6 +66,25 @@ TEST(Metrics, RequestRecordsFeedCountersAndHistograms) {
   EXPECT_TRUE(has_line(out, "# TYPE kestrel:prompt_tokens_total counter"));
 }
 
+// The HTTP side's gauges: open connections and the text threads' queue.
+TEST(Metrics, ConnectionAndTextWorkGauges) {
+  ServerMetrics m("m");
+  const std::string lab = "model_name=\"m\"";
+  const std::string idle = m.render(EngineSnapshot{});
+  EXPECT_TRUE(has_line(idle, "kestrel:num_open_connections{" + lab + "} 0")) << idle;
+  EXPECT_TRUE(has_line(idle, "kestrel:num_text_tasks_waiting{" + lab + "} 0"));
+  EXPECT_TRUE(has_line(idle, "kestrel:num_text_tasks_running{" + lab + "} 0"));
+  ServerGauges g;
+  g.open_connections = 7;
+  g.text_tasks_waiting = 3;
+  g.text_tasks_running = 2;
+  const std::string out = m.render(EngineSnapshot{}, g);
+  EXPECT_TRUE(has_line(out, "kestrel:num_open_connections{" + lab + "} 7")) << out;
+  EXPECT_TRUE(has_line(out, "kestrel:num_text_tasks_waiting{" + lab + "} 3"));
+  EXPECT_TRUE(has_line(out, "kestrel:num_text_tasks_running{" + lab + "} 2"));
+  EXPECT_TRUE(has_line(out, "# TYPE kestrel:num_open_connections gauge"));
+}
+
 // Speculative decoding's counters (vLLM's names) appear only with a speculative config (accepted_per_pos sized k).
 TEST(Metrics, SpecDecodeCountersWithVllmNames) {
   ServerMetrics m("m");
