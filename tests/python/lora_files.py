@@ -8,8 +8,9 @@ import struct
 from pathlib import Path
 
 
-def random_adapter(template: str, out: str, seed: int, scale: float = 0.05) -> str:
-    """Writes to `out` the adapter `template` with every tensor replaced by uniform(-scale, scale) F32 values."""
+def random_adapter(template: str, out: str, seed: int, scale: float = 0.05, widen: str = "") -> str:
+    """Writes to `out` the adapter `template` with every tensor replaced by uniform(-scale, scale) F32 values; with
+    `widen`, the first tensor whose name contains it gets one more column than the model has (a wrong shape)."""
     data = Path(template, "adapter_model.safetensors").read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + n])
@@ -17,7 +18,10 @@ def random_adapter(template: str, out: str, seed: int, scale: float = 0.05) -> s
     rng = random.Random(seed)
     entries, blobs, offset = {}, [], 0
     for name in sorted(header):
-        shape = header[name]["shape"]
+        shape = list(header[name]["shape"])
+        if widen and widen in name:
+            shape[1] += 1
+            widen = ""
         count = shape[0] * shape[1]
         blob = struct.pack(f"<{count}f", *(rng.uniform(-scale, scale) for _ in range(count)))
         entries[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(blob)]}

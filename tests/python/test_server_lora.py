@@ -158,6 +158,7 @@ def test_bad_adapters_and_requests_leave_the_server_serving(lora_files, tmp_path
     cfg = json.loads(Path(bad_module, "adapter_config.json").read_text())
     cfg["target_modules"] = ["embed_tokens"]
     Path(bad_module, "adapter_config.json").write_text(json.dumps(cfg))
+    wide = random_adapter(a0, str(tmp_path / "wide"), 7, widen="lora_A")
     truncated = random_adapter(a0, str(tmp_path / "truncated"), 6)
     st_path = Path(truncated, "adapter_model.safetensors")
     st_path.write_bytes(st_path.read_bytes()[:-100])
@@ -168,6 +169,7 @@ def test_bad_adapters_and_requests_leave_the_server_serving(lora_files, tmp_path
         cases = [
             (dict(lora_name="r16", lora_path=lora_files["rank16"]), 400, "r = 16 is outside"),
             (dict(lora_name="m", lora_path=bad_module), 400, "unknown target module 'embed_tokens'"),
+            (dict(lora_name="w", lora_path=wide), 400, "has input width 129, the layer takes 128"),
             (dict(lora_name="t", lora_path=truncated), 400, "cannot be loaded"),
             (dict(lora_name="n", lora_path=str(tmp_path / "nowhere")), 400, "cannot be loaded"),
             (dict(lora_name="tiny", lora_path=a0), 400, "the base model's name"),
