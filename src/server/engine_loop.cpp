@@ -239,6 +239,16 @@ void EngineLoop::publish() {
   snapshot_.steps = st.steps;
   snapshot_.preemptions = st.preemptions;
   snapshot_.spec = st.spec;
+  auto loras = [](const std::vector<Sequence*>& seqs) {
+    std::vector<int32_t> ids;
+    for (const Sequence* s : seqs)
+      if (s->request->params.lora_id != 0) ids.push_back(s->request->params.lora_id);
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    return ids;
+  };
+  snapshot_.running_loras = loras(engine_->scheduler().running());
+  snapshot_.waiting_loras = loras(engine_->scheduler().waiting());
 }
 
 void EngineLoop::fail_all(const std::string& why) {

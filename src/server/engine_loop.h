@@ -90,6 +90,9 @@ struct EngineSnapshot {
   PrefixCacheCounters prefix;
   int64_t steps = 0, preemptions = 0;
   SpecDecodeCounters spec;  // accepted_per_pos empty: no speculative decoding
+  // The LoRA adapters of the running and of the waiting sequences (distinct ids, ascending; 0, the base model, left
+  // out): kestrel:lora_requests_info.
+  std::vector<int32_t> running_loras, waiting_loras;
 };
 
 // How /pause treats the requests in flight (vLLM's modes): abort ends them (finish reason abort), wait lets them

@@ -83,6 +83,13 @@ std::optional<int32_t> LoraApi::id_of(const std::string& name) const {
   return it->second.id;
 }
 
+std::string LoraApi::name_of(int32_t id) const {
+  std::lock_guard lock(mu_);
+  for (const auto& [name, e] : loaded_)
+    if (e.id == id) return name;
+  return std::to_string(id);
+}
+
 Json LoraApi::model_cards(int64_t created, int64_t max_model_len) const {
   Json cards = Json::array();
   std::lock_guard lock(mu_);

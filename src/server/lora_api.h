@@ -49,6 +49,8 @@ class LoraApi {
 
   // The adapter id of a loaded adapter's name; nullopt for any other name.
   std::optional<int32_t> id_of(const std::string& name) const;
+  // The name of a loaded adapter's id; the id as text for one unloaded since.
+  std::string name_of(int32_t id) const;
   // The /v1/models cards of the loaded adapters, by name.
   nlohmann::ordered_json model_cards(int64_t created, int64_t max_model_len) const;
 

@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 #include <algorithm>
+#include <ctime>
 
 #include <fmt/format.h>
 
@@ -136,6 +137,22 @@ std::string ServerMetrics::render(const EngineSnapshot& s, const ServerGauges& g
         static_cast<double>(s.in_flight));
   gauge("kestrel:kv_cache_usage_perc", "KV-cache usage: the fraction of cache rows held by sequences (1 = 100%).",
         s.kv_cache_usage);
+  if (g.max_loras > 0) {
+    // vLLM's vllm:lora_requests_info: one sample whose labels name the adapters of the running and the waiting
+    // requests (comma-separated), its value the time of the snapshot.
+    auto names = [&](const std::vector<int32_t>& ids) {
+      std::string list;
+      for (int32_t id : ids) {
+        if (!list.empty()) list += ',';
+        list += g.lora_name ? g.lora_name(id) : std::to_string(id);
+      }
+      return label_value(list);
+    };
+    header(out, "kestrel:lora_requests_info", "gauge", "Running stats on lora requests.");
+    out += fmt::format("kestrel:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\","
+                       "waiting_lora_adapters=\"{}\"}} {}\n",
+                       g.max_loras, names(s.running_loras), names(s.waiting_loras), number(static_cast<double>(std::time(nullptr))));
+  }
   gauge("kestrel:num_open_connections", "TCP connections open now (this one included).",
         static_cast<double>(g.open_connections));
   gauge("kestrel:num_text_tasks_waiting", "Text work (parsing, chat templates, tokenising) queued for a text thread.",

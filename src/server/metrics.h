@@ -3,6 +3,7 @@
 // HTTP side from the timestamps of finished requests.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -45,6 +46,9 @@ struct ServerGauges {
   int64_t open_connections = 0;    // TCP connections open now (the one asking for /metrics included)
   int64_t text_tasks_waiting = 0;  // text work queued for a text thread
   int64_t text_tasks_running = 0;  // text work on a text thread now
+  // With --enable-lora: the most adapters loaded at once and an adapter id's name (kestrel:lora_requests_info).
+  int max_loras = 0;  // 0: LoRA not enabled, no lora_requests_info
+  std::function<std::string(int32_t)> lora_name;
 };
 
 class ServerMetrics {

@@ -289,6 +289,10 @@ OpenAIApi::SimpleResponse OpenAIApi::simple_route(const HttpExchange& ex, const 
     g.open_connections = open_connections_ ? open_connections_() : 0;
     g.text_tasks_waiting = static_cast<int64_t>(text_pool_.queued());
     g.text_tasks_running = static_cast<int64_t>(text_pool_.running());
+    if (lora_) {
+      g.max_loras = lora_->options().max_loras;
+      g.lora_name = [this](int32_t id) { return lora_->name_of(id); };
+    }
     return {200, metrics_.render(loop_.snapshot(), g), "text/plain; version=0.0.4; charset=utf-8"};
   }
   if (path == "/version") {

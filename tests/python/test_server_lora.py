@@ -212,11 +212,21 @@ def test_adapter_in_use_is_not_unloaded(lora_files):
                 chunk = c.recv(4096)
                 assert chunk and b" 200 OK" in got + chunk, got + chunk
                 got += chunk
+            # vLLM's lora_requests_info names the adapters of the running requests (the snapshot follows the
+            # step that sent the first event: read until it shows, at most 200 reads).
+            for _ in range(200):
+                info = [ln for ln in s.get("/metrics")[1].splitlines()
+                        if ln.startswith("kestrel:lora_requests_info{")]
+                assert len(info) == 1 and 'max_lora="1"' in info[0] and 'waiting_lora_adapters=""' in info[0], info
+                if 'running_lora_adapters="a"' in info[0]:
+                    break
+            assert 'running_lora_adapters="a"' in info[0], info
             st, r = unload(s, lora_name="a")
             assert st == 400 and "in use by requests in flight" in r["error"]["message"], r
             st, r = load(s, lora_name="a", lora_path=lora_files["adapters"][1], load_inplace=True)
             assert st == 400 and "in use by requests in flight" in r["error"]["message"], r
         s.wait_idle(30)  # the client left: its request is aborted
+        assert 'running_lora_adapters=""' in s.get("/metrics")[1]
         st, r = unload(s, lora_name="a")
         assert st == 200, r
     finally:
@@ -228,6 +238,7 @@ def test_lora_needs_enable_lora(lora_files):
     try:
         st, r = load(s, lora_name="a", lora_path=lora_files["adapters"][0])
         assert st == 400 and "start it with --enable-lora" in r["error"]["message"]
+        assert "lora_requests_info" not in s.get("/metrics")[1]
     finally:
         assert s.stop() == 0
 
