@@ -211,6 +211,28 @@ class SchemaConverter {
     return g_.ref(r);
   }
 
+  // Whether `v` is of one of the schema's listed types (any value when it lists none, or 'type' is malformed).
+  static bool has_schema_type(const Json& s, const Json& v) {
+    const auto it = s.find("type");
+    if (it == s.end()) return true;
+    auto is = [&](const Json& t) {
+      if (!t.is_string()) return true;
+      const std::string& n = t.get_ref<const std::string&>();
+      if (n == "null") return v.is_null();
+      if (n == "boolean") return v.is_boolean();
+      if (n == "string") return v.is_string();
+      if (n == "array") return v.is_array();
+      if (n == "object") return v.is_object();
+      if (n == "number") return v.is_number();
+      if (n == "integer")
+        return v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>());
+      return true;
+    };
+    if (!it->is_array()) return is(*it);
+    if (it->empty()) return true;
+    return std::any_of(it->begin(), it->end(), is);
+  }
+
   ExprId convert(const Json& s, const std::string& path, int depth) {
     if (depth > opts_.max_depth) error(path, "the schema nests deeper than {} levels", opts_.max_depth);
     if (s.is_boolean()) {
@@ -226,11 +248,18 @@ class SchemaConverter {
           error(path, "'{}' beside '$ref' is not supported (put it in the referenced schema)", k);
       return ref(it->get<std::string>(), path + "/$ref");
     }
-    if (const auto it = s.find("const"); it != s.end()) return g_.bytes(compact(*it));
+    if (const auto it = s.find("const"); it != s.end()) {
+      if (!has_schema_type(s, *it)) error(path, "the 'const' value is not of the schema's 'type'");
+      return g_.bytes(compact(*it));
+    }
     if (const auto it = s.find("enum"); it != s.end()) {
       if (!it->is_array() || it->empty()) error(path, "'enum' must be a non-empty array");
+      // Values of another type than the schema's 'type' are left out (xgrammar keeps them): no value is written
+      // that the schema rejects.
       std::vector<ExprId> alts;
-      for (const Json& v : *it) alts.push_back(g_.bytes(compact(v)));
+      for (const Json& v : *it)
+        if (has_schema_type(s, v)) alts.push_back(g_.bytes(compact(v)));
+      if (alts.empty()) error(path, "no 'enum' value is of the schema's 'type'");
       return g_.alt(std::move(alts));
     }
     for (const char* key : {"anyOf", "oneOf"})
