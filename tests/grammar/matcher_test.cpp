@@ -239,6 +239,20 @@ TEST(Automaton, RefusesLeftRecursionAndEmptyLanguages) {
   EXPECT_FALSE(m2.accept_bytes("(x"));
 }
 
+// As in xgrammar, white space and comments may stand between an element and its quantifier.
+TEST(Ebnf, QuantifierAfterWhiteSpace) {
+  const auto vocab = test_vocab("ab", {});
+  const auto g = std::make_shared<CompiledGrammar>(parse_ebnf("root ::= \"a\" { 2 , 3 } \"b\" * # c\n ?"), vocab);
+  auto accepts = [&](const std::string& s) {
+    GrammarMatcher m(g);
+    return m.accept_bytes(s) && m.can_terminate();
+  };
+  EXPECT_TRUE(accepts("aa"));
+  EXPECT_TRUE(accepts("aaabbb"));
+  EXPECT_FALSE(accepts("ab"));
+  EXPECT_FALSE(accepts("aaaa"));
+}
+
 // \s is ECMAScript's white space and line terminators (as in xgrammar), \S exactly the other code points, in and
 // out of a class.
 TEST(Regex, WhiteSpaceClassIsEcmaScripts) {
