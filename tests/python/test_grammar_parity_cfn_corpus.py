@@ -266,5 +266,7 @@ def test_cloudformation_schemas(corpus, engines):
     # The corpus must still be there in size, and hundreds of its schemas must run on both engines.
     assert len(corpus) >= 1500, len(corpus)
     assert len(compiled) >= 400 and len(sample) == SAMPLE and stats["run"] >= SAMPLE - 10, (len(compiled), stats)
-    assert stats["walks"] == 2 * stats["run"] and stats["invalid_refused"] == stats["walks"], stats
+    # Every walk of a schema that does not differ is compared in full (one that differs stops at the difference).
+    assert 2 * (stats["run"] - len(differ)) <= stats["walks"] <= 2 * stats["run"], stats
+    assert stats["invalid_refused"] == stats["walks"], stats
     assert stats["validated"] == stats["ended"] >= stats["run"] // 2, stats
