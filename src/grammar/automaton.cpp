@@ -624,7 +624,9 @@ Automaton Automaton::build(const Grammar& g, const std::vector<std::string>& spe
   for (bool changed = true; changed;) {
     changed = false;
     for (int32_t k = 0; k < KR; ++k)
-      if (!productive[static_cast<size_t>(k)] && coreachable(k)[0]) productive[static_cast<size_t>(k)] = 1, changed = true;
+      // A rule whose DFA minimised to nothing (no accepting state: `[^\x00-\U0010FFFF]`) is not productive.
+      if (!productive[static_cast<size_t>(k)] && dfas[static_cast<size_t>(k)].size() > 0 && coreachable(k)[0])
+        productive[static_cast<size_t>(k)] = 1, changed = true;
   }
   KESTREL_CHECK(productive[0], "the grammar matches no string (its root rule '{}' can never be completed)",
                 g.rule(g.root()).name);

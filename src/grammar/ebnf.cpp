@@ -1,6 +1,7 @@
 #include "grammar/ebnf.h"
 
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -22,6 +23,8 @@ class EbnfParser {
       const size_t at = pos_;
       const std::string name = identifier();
       if (name.empty()) error(at, "expected a rule name");
+      if (attributes_follow())
+        error(pos_, "xgrammar's rule attributes ('{}[...] ::=', such as max_chars) are not supported", name);
       skip_space();
       if (!s_.substr(pos_).starts_with("::=")) error(pos_, "expected '::=' after rule name '{}'", name);
       pos_ += 3;
@@ -88,12 +91,23 @@ class EbnfParser {
     return std::string(s_.substr(start, pos_ - start));
   }
 
-  // An identifier followed by '::=' starts the next rule.
+  // At pos_ (right after a rule's name): xgrammar's rule attributes, '[...]' then '::=' on the same line.
+  bool attributes_follow() const {
+    if (pos_ >= s_.size() || s_[pos_] != '[') return false;
+    const size_t close = s_.find_first_of("]\n", pos_);
+    if (close == std::string_view::npos || s_[close] != ']') return false;
+    size_t i = close + 1;
+    while (i < s_.size() && (s_[i] == ' ' || s_[i] == '\t')) ++i;
+    return s_.substr(i).starts_with("::=");
+  }
+
+  // An identifier followed by '::=' (or by xgrammar's rule attributes and '::=') starts the next rule.
   bool at_rule_start() {
     const size_t save = pos_;
     const std::string name = identifier();
+    const bool attributes = !name.empty() && attributes_follow();
     skip_space();
-    const bool yes = !name.empty() && s_.substr(pos_).starts_with("::=");
+    const bool yes = !name.empty() && (attributes || s_.substr(pos_).starts_with("::="));
     pos_ = save;
     return yes;
   }
@@ -143,7 +157,14 @@ class EbnfParser {
   }
 
   ExprId quantified(ExprId e) {
-    while (pos_ < s_.size()) {
+    while (true) {
+      // As in xgrammar, white space and comments may stand between an element and its quantifier ("a" {2, 3}).
+      const size_t before = pos_;
+      skip_space();
+      if (pos_ >= s_.size() || !(s_[pos_] == '*' || s_[pos_] == '+' || s_[pos_] == '?' || s_[pos_] == '{')) {
+        pos_ = before;
+        break;
+      }
       const char c = s_[pos_];
       if (c == '*') {
         ++pos_;
@@ -200,6 +221,11 @@ class EbnfParser {
     }
     const std::string name = identifier();
     if (name.empty()) error(at, "unexpected character '{}'", c);
+    // xgrammar's built-in functions (its macros), written NAME( with no space.
+    static const std::set<std::string> kMacros = {"Regex", "Substring", "TagDispatch", "Token", "TokenTagDispatch",
+                                                  "ExcludeToken"};
+    if (pos_ < s_.size() && s_[pos_] == '(' && kMacros.count(name))
+      error(at, "xgrammar's built-in '{}(...)' is not supported (write the rule it stands for in EBNF)", name);
     RuleId r = g_.find(name);
     if (r < 0) {
       r = g_.declare(name);

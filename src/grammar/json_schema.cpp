@@ -48,6 +48,12 @@ const std::map<std::string, std::string> kFormats = {
      R"([A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*)"},
     {"hostname", R"([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*)"},
 };
+// The formats JSON Schema defines (draft-07 to 2020-12) that Kestrel has no regex for: refused, as a user asks for
+// them expecting them enforced. Any other format is not JSON Schema's (a vendor's name, "AWS::EC2::VPC.Id", "json",
+// "int64", ...): an annotation, ignored as JSON Schema says of unknown formats (and as xgrammar and jsonschema do).
+const std::set<std::string> kStandardFormatsRefused = {
+    "idn-email", "idn-hostname", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uri-template",
+    "json-pointer", "relative-json-pointer", "regex"};
 
 // A JSON number as its shortest round-trip decimal text (integral values without a fraction, as xgrammar writes
 // them).
@@ -181,8 +187,14 @@ class SchemaConverter {
   ExprId boolean() { return g_.alt({g_.bytes("true"), g_.bytes("false")}); }
 
   static void check_keywords(const Json& s, const std::string& path) {
-    for (const auto& [k, v] : s.items())
-      if (kUnsupported.count(k)) error(path, "'{}' is not supported (this engine cannot enforce it)", k);
+    for (const auto& [k, v] : s.items()) {
+      if (!kUnsupported.count(k)) continue;
+      // The values that assert nothing (real-world schemas write `"uniqueItems": false`) are ignored.
+      if ((k == "uniqueItems" && v.is_boolean() && !v.get<bool>()) ||
+          ((k == "minProperties" || k == "minContains") && v.is_number_integer() && v.get<int64_t>() == 0))
+        continue;
+      error(path, "'{}' is not supported (this engine cannot enforce it)", k);
+    }
   }
 
   ExprId ref(const std::string& uri, const std::string& path) {
@@ -211,6 +223,28 @@ class SchemaConverter {
     return g_.ref(r);
   }
 
+  // Whether `v` is of one of the schema's listed types (any value when it lists none, or 'type' is malformed).
+  static bool has_schema_type(const Json& s, const Json& v) {
+    const auto it = s.find("type");
+    if (it == s.end()) return true;
+    auto is = [&](const Json& t) {
+      if (!t.is_string()) return true;
+      const std::string& n = t.get_ref<const std::string&>();
+      if (n == "null") return v.is_null();
+      if (n == "boolean") return v.is_boolean();
+      if (n == "string") return v.is_string();
+      if (n == "array") return v.is_array();
+      if (n == "object") return v.is_object();
+      if (n == "number") return v.is_number();
+      if (n == "integer")
+        return v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>());
+      return true;
+    };
+    if (!it->is_array()) return is(*it);
+    if (it->empty()) return true;
+    return std::any_of(it->begin(), it->end(), is);
+  }
+
   ExprId convert(const Json& s, const std::string& path, int depth) {
     if (depth > opts_.max_depth) error(path, "the schema nests deeper than {} levels", opts_.max_depth);
     if (s.is_boolean()) {
@@ -226,11 +260,18 @@ class SchemaConverter {
           error(path, "'{}' beside '$ref' is not supported (put it in the referenced schema)", k);
       return ref(it->get<std::string>(), path + "/$ref");
     }
-    if (const auto it = s.find("const"); it != s.end()) return g_.bytes(compact(*it));
+    if (const auto it = s.find("const"); it != s.end()) {
+      if (!has_schema_type(s, *it)) error(path, "the 'const' value is not of the schema's 'type'");
+      return g_.bytes(compact(*it));
+    }
     if (const auto it = s.find("enum"); it != s.end()) {
       if (!it->is_array() || it->empty()) error(path, "'enum' must be a non-empty array");
+      // Values of another type than the schema's 'type' are left out (xgrammar keeps them): no value is written
+      // that the schema rejects.
       std::vector<ExprId> alts;
-      for (const Json& v : *it) alts.push_back(g_.bytes(compact(v)));
+      for (const Json& v : *it)
+        if (has_schema_type(s, v)) alts.push_back(g_.bytes(compact(v)));
+      if (alts.empty()) error(path, "no 'enum' value is of the schema's 'type'");
       return g_.alt(std::move(alts));
     }
     for (const char* key : {"anyOf", "oneOf"})
@@ -335,22 +376,26 @@ class SchemaConverter {
   ExprId string_schema(const Json& s, const std::string& path) {
     const int64_t min_len = count(s, "minLength", path), max_len = count(s, "maxLength", path);
     const bool lengths = min_len >= 0 || max_len >= 0;
+    // A format JSON Schema does not define is an annotation (kStandardFormatsRefused).
+    const auto fit = s.find("format");
+    if (fit != s.end() && !fit->is_string()) error(path, "'format' must be a string");
+    const bool format = fit != s.end() && (kFormats.count(fit->get<std::string>()) ||
+                                           kStandardFormatsRefused.count(fit->get<std::string>()));
     if (const auto it = s.find("pattern"); it != s.end()) {
       if (!it->is_string()) error(path, "'pattern' must be a string");
       if (lengths) error(path, "'pattern' together with 'minLength'/'maxLength' is not supported");
-      if (s.contains("format")) error(path, "'pattern' together with 'format' is not supported");
+      if (format) error(path, "'pattern' together with 'format' is not supported");
       try {
         return g_.seq({g_.bytes("\""), regex_expr(g_, it->get<std::string>(), {.json_string_body = true}), g_.bytes("\"")});
       } catch (const Error& e) {
         error(path + "/pattern", "{}", e.what());
       }
     }
-    if (const auto it = s.find("format"); it != s.end()) {
-      if (!it->is_string()) error(path, "'format' must be a string");
-      const auto f = kFormats.find(it->get<std::string>());
+    if (format) {
+      const auto f = kFormats.find(fit->get<std::string>());
       if (f == kFormats.end())
         error(path, "format '{}' is not supported (supported: date, time, date-time, duration, uuid, ipv4, email, "
-              "hostname)", it->get<std::string>());
+              "hostname; formats JSON Schema does not define are ignored)", fit->get<std::string>());
       if (lengths) error(path, "'format' together with 'minLength'/'maxLength' is not supported");
       return g_.seq({g_.bytes("\""), regex_expr(g_, f->second, {.json_string_body = true}), g_.bytes("\"")});
     }

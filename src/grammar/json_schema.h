@@ -10,11 +10,14 @@
 // Supported: type (and type lists), enum, const, properties, required, additionalProperties (bool or schema),
 // items (schema or false), prefixItems, minItems, maxItems, anyOf, oneOf (as anyOf), allOf of one schema, $ref to
 // the document (#, #/$defs/..., #/definitions/..., any JSON pointer; recursion allowed), $defs/definitions,
-// minLength, maxLength, pattern, format (date, time, date-time, duration, uuid, email, hostname, ipv4, ipv6, uri),
-// minimum, maximum, exclusiveMinimum, exclusiveMaximum, annotations (ignored). Keywords that assert something this
-// engine cannot enforce (multipleOf, uniqueItems, contains, patternProperties, propertyNames, minProperties,
-// maxProperties, dependentRequired, dependentSchemas, if/then/else, not, allOf of several schemas, remote $ref,
-// unknown formats) are refused with an Error naming the keyword and where it is.
+// minLength, maxLength, pattern, format (date, time, date-time, duration, uuid, email, hostname, ipv4), minimum,
+// maximum, exclusiveMinimum, exclusiveMaximum, annotations (title, description, $comment, ...: ignored), keywords
+// JSON Schema does not define (ignored, as JSON Schema says) and formats it does not define (annotations: a plain
+// string). Keywords that assert something this engine cannot enforce (multipleOf, uniqueItems, contains,
+// patternProperties, propertyNames, minProperties, maxProperties, dependentRequired, dependentSchemas,
+// if/then/else, not, allOf of several schemas, remote $ref, JSON Schema's formats without a regex here: ipv6, uri,
+// ...) are refused with an Error naming the keyword and where it is; their values that assert nothing
+// ("uniqueItems": false, "minProperties": 0, "minContains": 0) are ignored.
 #pragma once
 #include <string>
 

@@ -12,7 +12,12 @@ constexpr int kMaxNesting = 1000;
 
 const std::vector<CodeRange> kDigit = {{'0', '9'}};
 const std::vector<CodeRange> kWord = {{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
-const std::vector<CodeRange> kSpace = {{'\t', '\r'}, {' ', ' '}, {0xA0, 0xA0}};
+// \s is ECMAScript's WhiteSpace and LineTerminator, as in xgrammar (and JavaScript): TAB, LF, VT, FF, CR, space,
+// NBSP, every Space_Separator (U+1680, U+2000-U+200A, U+202F, U+205F, U+3000), LS, PS and ZWNBSP (U+FEFF). \d and
+// \w are ASCII only.
+const std::vector<CodeRange> kSpace = {{'\t', '\r'}, {' ', ' '}, {0xA0, 0xA0}, {0x1680, 0x1680}, {0x2000, 0x200A},
+                                       {0x2028, 0x2029}, {0x202F, 0x202F}, {0x205F, 0x205F}, {0x3000, 0x3000},
+                                       {0xFEFF, 0xFEFF}};
 
 class RegexParser {
  public:

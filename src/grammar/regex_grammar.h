@@ -1,6 +1,7 @@
 // Regular expressions (the JSON Schema `pattern` dialect and vLLM's structured_outputs "regex") as grammar
 // expressions over code points, with xgrammar's reading of them: ^ and $ are ignored (a pattern matches the whole
-// text), `.` is any character, \d \w \s are ASCII digits, word characters and [\f\n\r\t\v \u00a0]; greedy and lazy
+// text), `.` is any character, \d \w are ASCII digits and word characters, \s is ECMAScript's white space and line
+// terminators (TAB-CR, space, U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000, U+FEFF); greedy and lazy
 // quantifiers match the same strings. Back-references, lookaround, word boundaries, \p{...} classes and inline flags
 // are refused with an Error naming them.
 #pragma once

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "grammar/ebnf.h"
 #include "grammar/matcher.h"
+#include "grammar/regex_grammar.h"
 
 namespace kestrel::grammar {
 namespace {
@@ -218,6 +219,58 @@ TEST(Automaton, RefusesLeftRecursionAndEmptyLanguages) {
     FAIL() << "a grammar without finite strings accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("matches no string"), std::string::npos) << e.what();
+  }
+  // A class that matches no character: the root's DFA minimises to no state at all (this crashed once).
+  for (const char* g : {"root ::= [^\\x00-\\U0010FFFF]", "root ::= \"a\" b\nb ::= \"x\" b [^\\x00-\\U0010FFFF] | \"(\" b \")\""}) {
+    try {
+      CompiledGrammar(parse_ebnf(g), vocab);
+      FAIL() << "an empty language accepted: " << g;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("matches no string"), std::string::npos) << e.what();
+    }
+  }
+  // An empty rule that the root can do without is dropped, not an error.
+  const auto ok = std::make_shared<CompiledGrammar>(
+      parse_ebnf("root ::= \"a\" | \"(\" b \")\"\nb ::= \"x\" b [^\\x00-\\U0010FFFF]"), vocab);
+  GrammarMatcher m(ok);
+  EXPECT_TRUE(m.accept_bytes("a"));
+  EXPECT_TRUE(m.can_terminate());
+  GrammarMatcher m2(ok);
+  EXPECT_FALSE(m2.accept_bytes("(x"));
+}
+
+// As in xgrammar, white space and comments may stand between an element and its quantifier.
+TEST(Ebnf, QuantifierAfterWhiteSpace) {
+  const auto vocab = test_vocab("ab", {});
+  const auto g = std::make_shared<CompiledGrammar>(parse_ebnf("root ::= \"a\" { 2 , 3 } \"b\" * # c\n ?"), vocab);
+  auto accepts = [&](const std::string& s) {
+    GrammarMatcher m(g);
+    return m.accept_bytes(s) && m.can_terminate();
+  };
+  EXPECT_TRUE(accepts("aa"));
+  EXPECT_TRUE(accepts("aaabbb"));
+  EXPECT_FALSE(accepts("ab"));
+  EXPECT_FALSE(accepts("aaaa"));
+}
+
+// \s is ECMAScript's white space and line terminators (as in xgrammar), \S exactly the other code points, in and
+// out of a class.
+TEST(Regex, WhiteSpaceClassIsEcmaScripts) {
+  const auto vocab = test_vocab("ab", {});
+  const std::vector<std::string> space = {"\t", "\n", "\v", "\f", "\r", " ", "\u00a0", "\u1680", "\u2000", "\u2005",
+                                          "\u200a", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\ufeff"};
+  const std::vector<std::string> other = {std::string(1, '\0'), "\x01", "\u0085", "\u200b", "\u2060", "a", "\u597d",
+                                          "\U0001F600"};
+  for (const char* pattern : {"a\\sb", "a[\\s]b", "a\\Sb", "a[\\S]b", "a[^\\S]b", "a[^\\s]b"}) {
+    const std::string p = pattern;
+    const bool want_space = p == "a\\sb" || p == "a[\\s]b" || p == "a[^\\S]b";
+    const auto compiled = std::make_shared<CompiledGrammar>(regex_grammar(p), vocab);
+    for (const auto& [texts, is_space] : {std::pair{space, true}, std::pair{other, false}})
+      for (const std::string& c : texts) {
+        GrammarMatcher m(compiled);
+        const bool ok = m.accept_bytes("a" + c + "b") && m.can_terminate();
+        EXPECT_EQ(ok, want_space == is_space) << p << " on U+" << std::hex << static_cast<int>(c[0] & 0xFF);
+      }
   }
 }
 

@@ -199,6 +199,10 @@ BAD = [
     ("back-reference", {"structured_outputs": {"regex": r"(a)\1"}}, "structured_outputs"),
     ("bad grammar", {"guided_grammar": "root ::= (\"a\""}, "guided_grammar"),
     ("left recursion", {"guided_grammar": "root ::= root \"a\" | \"b\""}, "guided_grammar"),
+    ("empty language", {"guided_grammar": "root ::= [^\\x00-\\U0010FFFF]"}, "guided_grammar"),
+    ("xgrammar macro", {"guided_grammar": "root ::= Regex(\"[a-z]+\")"}, "guided_grammar"),
+    ("rule attributes", {"guided_grammar": "root ::= a\na[max_chars=3] ::= [a-z]*"}, "guided_grammar"),
+    ("enum of no listed type", {"guided_json": {"type": "string", "enum": [1, 2]}}, "guided_json"),
     ("two constraints", {"guided_regex": "a", "guided_choice": ["b"]}, None),
     ("empty choice", {"guided_choice": []}, "guided_choice"),
     ("unknown backend", {"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
@@ -215,6 +219,12 @@ def test_bad_constraints_are_a_precise_400(tiny, what, extra, param):
     if param:
         assert body["error"]["param"] == param, body
     assert body["error"]["message"]
+    if what == "empty language":
+        assert "matches no string" in body["error"]["message"], body
+    if what == "rule attributes":
+        assert "rule attributes ('a[...] ::='" in body["error"]["message"], body
+    if what == "xgrammar macro":
+        assert "built-in 'Regex(...)' is not supported" in body["error"]["message"], body
     status, body = h.post(tiny.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert status == 200, body
 
