@@ -10,7 +10,6 @@
 namespace kestrel::server {
 namespace {
 
-
 std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 void need_post(const HttpExchange& ex) {
@@ -187,19 +186,8 @@ awaitable<void> LoraApi::load(HttpExchange& ex, const OffThread& off_thread) {
     busy_.erase(name);
     return failure;
   };
-  std::shared_ptr<EngineTask> task;
-  try {
-    task = loop_.post(install, ex.notifier());
-  } catch (...) {
-    std::lock_guard lock(mu_);
-    busy_.erase(name);
-    throw;
-  }
-  ex.watch_disconnect();
-  while (!task->done && !ex.client_gone()) co_await ex.wait();
-  if (ex.client_gone()) co_return;
-  if (task->failure) throw ApiError(task->failure->status, task->failure->message, "lora_path");
-  co_await ex.reply(200, dump(status_body(fmt::format("Success: LoRA adapter '{}' added successfully.", name))));
+  co_await run_on_engine(ex, std::move(install), name, "lora_path",
+                         fmt::format("Success: LoRA adapter '{}' added successfully.", name));
 }
 
 awaitable<void> LoraApi::unload(HttpExchange& ex) {
@@ -228,9 +216,15 @@ awaitable<void> LoraApi::unload(HttpExchange& ex) {
     busy_.erase(name);
     return failure;
   };
+  co_await run_on_engine(ex, std::move(drop), name, "lora_name",
+                         fmt::format("Success: LoRA adapter '{}' removed successfully.", name));
+}
+
+awaitable<void> LoraApi::run_on_engine(HttpExchange& ex, EngineFn fn, const std::string& name, const char* param,
+                                       const std::string& success) {
   std::shared_ptr<EngineTask> task;
   try {
-    task = loop_.post(drop, ex.notifier());
+    task = loop_.post(std::move(fn), ex.notifier());
   } catch (...) {
     std::lock_guard lock(mu_);
     busy_.erase(name);
@@ -238,9 +232,9 @@ awaitable<void> LoraApi::unload(HttpExchange& ex) {
   }
   ex.watch_disconnect();
   while (!task->done && !ex.client_gone()) co_await ex.wait();
-  if (ex.client_gone()) co_return;
-  if (task->failure) throw ApiError(task->failure->status, task->failure->message, "lora_name");
-  co_await ex.reply(200, dump(status_body(fmt::format("Success: LoRA adapter '{}' removed successfully.", name))));
+  if (ex.client_gone()) co_return;  // the task still runs (it owns what it needs)
+  if (task->failure) throw ApiError(task->failure->status, task->failure->message, param);
+  co_await ex.reply(200, dump(status_body(success)));
 }
 
 }  // namespace kestrel::server

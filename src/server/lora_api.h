@@ -61,6 +61,11 @@ class LoraApi {
   };
   awaitable<void> load(HttpExchange& ex, const OffThread& off_thread);
   awaitable<void> unload(HttpExchange& ex);
+  using EngineFn = std::function<std::optional<EngineTask::Failure>(const std::vector<int32_t>&)>;
+  // Posts `fn` (which frees `name` in busy_ when it runs) to the engine thread and answers `success` once it ran
+  // without a failure; frees `name` itself when the post is refused; nothing when the client left.
+  awaitable<void> run_on_engine(HttpExchange& ex, EngineFn fn, const std::string& name, const char* param,
+                                const std::string& success);
   void check_name(const std::string& name) const;
 
   const LoraOptions opts_;
