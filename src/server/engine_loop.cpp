@@ -397,7 +397,6 @@ void EngineLoop::run() {
     live_.clear();
     announce();
     fail_all("the server stopped");
-    alive_ = false;
     const std::string why = "the server stopped";
     run_tasks(&why);
   } catch (const std::exception& e) {

@@ -151,7 +151,8 @@ std::string ServerMetrics::render(const EngineSnapshot& s, const ServerGauges& g
     header(out, "kestrel:lora_requests_info", "gauge", "Running stats on lora requests.");
     out += fmt::format("kestrel:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\","
                        "waiting_lora_adapters=\"{}\"}} {}\n",
-                       g.max_loras, names(s.running_loras), names(s.waiting_loras), number(static_cast<double>(std::time(nullptr))));
+                       g.max_loras, names(s.running_loras), names(s.waiting_loras),
+                       number(static_cast<double>(std::time(nullptr))));
   }
   gauge("kestrel:num_open_connections", "TCP connections open now (this one included).",
         static_cast<double>(g.open_connections));

@@ -93,7 +93,6 @@ OpenAIApi::OpenAIApi(const ApiOptions& opts, const text::Tokenizer& tok, const t
       seed_rng_(opts.seed ? *opts.seed : std::random_device{}()),
       structured_(tok, static_cast<int32_t>(opts.vocab_size), opts.eos_token_id, opts.reasoning_parser),
       text_pool_(opts.text_threads, opts.text_queue) {
-  rl_.set_aliases(opts.model_aliases);
   rl_.set_model_resolver([this](const std::string& model) { return check_model(model); });
   rl_.set_off_thread([this](HttpExchange& ex, std::function<void(const std::atomic<bool>&)> work, bool answer) {
     return off_thread(ex, std::move(work), answer);

@@ -124,10 +124,7 @@ awaitable<void> RlApi::score_tokens(HttpExchange& ex) {
   // Parsing and tokenising: on the text threads when the server has them (off the HTTP threads).
   auto prepare = [&](const std::atomic<bool>&) {
     r = parse_score_tokens_request(parse_body(ex.request().body()));
-    if (resolve_model_) lora_id = resolve_model_(r.model);
-    else if (!r.model.empty() && r.model != model_name_ &&
-             std::find(aliases_.begin(), aliases_.end(), r.model) == aliases_.end())
-      throw ApiError(404, fmt::format("The model `{}` does not exist.", r.model), "model");
+    lora_id = resolve_model_(r.model);
     const size_t P = r.prompts.size();
     const int64_t max_len = loop_.max_model_len();
     seqs.assign(P, {});

@@ -28,10 +28,8 @@ class RlApi {
   using OffThread =
       std::function<awaitable<bool>(HttpExchange&, std::function<void(const std::atomic<bool>&)>, bool answer)>;
   void set_off_thread(OffThread f) { off_thread_ = std::move(f); }
-  // More names a request's `model` may use (several --served-model-name).
-  void set_aliases(std::vector<std::string> aliases) { aliases_ = std::move(aliases); }
-  // The LoRA adapter id a request's `model` names (0: the base model), throwing ApiError 404 for an unknown name;
-  // without it only the served name and the aliases are accepted.
+  // The LoRA adapter id a request's `model` names (0: the served names and none), throwing ApiError 404 for an
+  // unknown name (OpenAIApi::check_model, the one check of a request's model). Required.
   void set_model_resolver(std::function<int32_t(const std::string&)> f) { resolve_model_ = std::move(f); }
 
   static bool handles(const std::string& path);
@@ -51,7 +49,6 @@ class RlApi {
   EngineLoop& loop_;
   ServerMetrics& metrics_;
   OffThread off_thread_;
-  std::vector<std::string> aliases_;
   std::function<int32_t(const std::string&)> resolve_model_;
 };
 
