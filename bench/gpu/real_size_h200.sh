@@ -8,13 +8,16 @@
 #   k31   K3.1-Pro width (make-model's k3.1-pro config, 4 layers, all 896 experts, dummy) with MXFP4 experts.
 #   json  Structured output's serving cost on the GPU: Kimi-Linear-48B width, 4 layers (dummy), 64 requests at once,
 #         free text against a JSON-schema response_format (bench/gpu/structured_serve.py).
+#   itl   The step budget (--max-itl-factor): DeepSeek-V3.2 width, 2 layers (one MoE), dummy FP8 weights, 64 streams
+#         of 2048-token prompts and 128 output tokens (192 requests, so prompts keep arriving beside running decodes),
+#         --max-num-batched-tokens 8192; `kestrel bench serve` with the factor off (0) and at 2: ITL p50/p99, TTFT.
 #   disk  A ~15.8 GB safetensors checkpoint (DeepSeek-V3.2 width, 2 layers, one of them MoE, FP8) written with
 #         make-model --dummy-weights, dropped from the page cache, then loaded from disk: GB/s and peak host RSS.
-# Usage: bench/gpu/real_size_h200.sh [kl48,ds6,k31,json,disk] [log-dir]    (default: all, $OUT)
+# Usage: bench/gpu/real_size_h200.sh [kl48,ds6,k31,json,itl,disk] [log-dir]    (default: all, $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-RUNS=${1:-kl48,ds6,k31,json,disk}
+RUNS=${1:-kl48,ds6,k31,json,itl,disk}
 LOGS=${2:-${OUT:-$ROOT/out-gpu}}
 mkdir -p "$LOGS"
 K=$ROOT/build-h200/src/kestrel
@@ -67,6 +70,26 @@ if has json; then
   step json python3 "$ROOT/bench/gpu/structured_serve.py" "$K" "$W/kl48" 8132 --batch 64 --rounds 3 --max-tokens 128 \
     -- --load-format dummy --hf-overrides '{"num_hidden_layers": 4}' --device cuda --gpu-memory-utilization 0.9 \
     --max-model-len 4096 --max-num-seqs 64
+fi
+if has itl; then
+  [ -f "$W/ds/config.json" ] || step ds6-make "$K" make-model --arch deepseek_v32 --preset deepseek-v3.2 --out "$W/ds" \
+    --tokenizer
+  for f in 0 2; do
+    "$K" serve "$W/ds" --port 8140 --load-format dummy --hf-overrides '{"num_hidden_layers": 2, "first_k_dense_replace": 1}' \
+      --device cuda --gpu-memory-utilization 0.9 --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 8192 \
+      --max-itl-factor "$f" >"$LOGS/real-itl-serve-$f.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 600); do
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8140/health', timeout=1)" \
+        2>/dev/null && break
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.5
+    done
+    step "itl-$f" "$K" bench serve --port 8140 --dataset random --num-prompts 192 --max-concurrency 64 \
+      --random-input-len 2048 --random-output-len 128 --ignore-eos --seed 1 --save-result "$LOGS/real-itl-$f.json"
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
 fi
 if has disk; then
   rm -rf "$W/ds15"

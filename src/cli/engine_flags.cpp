@@ -22,7 +22,25 @@ ModelOptions EngineFlags::model_options() const {
   return o;
 }
 
+void add_step_budget_flags(CLI::App& cmd, EngineConfig& e) {
+  cmd.add_option("--long-prefill-token-threshold", e.long_prefill_token_threshold,
+                 "most prompt tokens of one request in a step (vLLM's; 0: no cap)")
+      ->capture_default_str();
+  cmd.add_option("--max-itl-factor", e.max_itl_factor,
+                 "a step with running decodes takes prompt tokens only up to this factor of the decodes' own step "
+                 "time, predicted from measured steps (0: off; otherwise > 1)")
+      ->capture_default_str();
+}
+
+void check_step_budget_flags(const EngineConfig& e) {
+  if (e.long_prefill_token_threshold < 0)
+    fail("--long-prefill-token-threshold must be >= 0, got {}", e.long_prefill_token_threshold);
+  if (e.max_itl_factor != 0 && !(e.max_itl_factor > 1))
+    fail("--max-itl-factor must be 0 (off) or greater than 1, got {}", e.max_itl_factor);
+}
+
 EngineConfig EngineFlags::engine_config() const {
+  check_step_budget_flags(engine);
   EngineConfig e = engine;
   e.cache_bytes = cache_mib << 20;
   e.enable_prefix_caching = !no_prefix_caching;
@@ -55,6 +73,7 @@ void add_engine_flags(CLI::App& cmd, EngineFlags& f) {
   cmd.add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
       ->capture_default_str();
   cmd.add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
+  add_step_budget_flags(cmd, e);
   cmd.add_option("--cache-mib", f.cache_mib, "cache pool size")->capture_default_str();
   cmd.add_option("--block-size", e.block_size, "tokens per cache row (power of two; 0: the planner's choice)");
   cmd.add_option("--max-model-len", e.max_model_len, "longest sequence (0: the config's context length)");

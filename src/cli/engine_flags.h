@@ -34,9 +34,15 @@ struct EngineFlags {
 // An engine on the flags' device; `keep` holds what the engine's device needs (declare it before the engine).
 std::unique_ptr<Engine> make_engine(const Model& model, const EngineFlags& f, std::shared_ptr<void>& keep);
 
-// --kv-cache-dtype, --index-dtype, --kda-prefill, --max-num-batched-tokens, --max-num-seqs, --cache-mib,
-// --block-size, --max-model-len, --no-prefix-caching, --device, --gpu-memory-utilization, and the load flags.
+// --kv-cache-dtype, --index-dtype, --kda-prefill, --max-num-batched-tokens, --max-num-seqs, the step budget flags,
+// --cache-mib, --block-size, --max-model-len, --no-prefix-caching, --device, --gpu-memory-utilization, and the load
+// flags.
 void add_engine_flags(CLI::App& cmd, EngineFlags& f);
+
+// The prompt share of a step (engine/scheduler.h): --long-prefill-token-threshold, --max-itl-factor; and their
+// check (an Error naming the flag).
+void add_step_budget_flags(CLI::App& cmd, EngineConfig& e);
+void check_step_budget_flags(const EngineConfig& e);
 
 // The cache layout an engine chose, one line on stderr.
 void print_cache_plan(const Engine& engine);

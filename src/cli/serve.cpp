@@ -12,6 +12,7 @@
 
 #include "cli/commands.h"
 #include "cli/device.h"
+#include "cli/engine_flags.h"
 #include "cli/load_flags.h"
 #include "core/error.h"
 #include "engine/spec_decode.h"
@@ -141,6 +142,7 @@ int run_serve(ServeArgs& a) {
   }
   if (o.max_logprobs < 0 || o.max_logprobs > 20)
     fail("--max-logprobs must be in 0..20 (the sampler returns at most 20 alternatives), got {}", o.max_logprobs);
+  check_step_budget_flags(o.engine);
   if (a.tensor_parallel_size < 1) fail("--tensor-parallel-size must be >= 1");
   if (a.tensor_parallel_size > 1)
     refused.push_back(fmt::format("--tensor-parallel-size {}: tensor parallelism needs {} GPUs and the CUDA backend; "
@@ -237,6 +239,8 @@ Runner add_serve(CLI::App& app) {
   cmd->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
       ->capture_default_str();
+  e.max_itl_factor = 2.0;  // serving keeps running streams' inter-token latency by default (docs/serving.md)
+  add_step_budget_flags(*cmd, e);
   cmd->add_option("--gpu-memory-utilization", a->gpu_memory_utilization, "GPU memory fraction (GPU only)");
   cmd->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "bytes of the cache pool")
       ->capture_default_str();

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 
 #include "core/error.h"
@@ -73,7 +74,7 @@ Engine::Engine(const Model& model, const EngineConfig& cfg)
              !cfg.executor || cfg.executor_on_host_pool),
       max_model_len_(resolve_max_model_len(model, cfg, cache_.plan(), cache_.pool().num_rows())),
       scheduler_(SchedulerConfig{cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy, model.prefill_alignment(),
-                                 cfg.checkpoint_interval},
+                                 cfg.checkpoint_interval, cfg.long_prefill_token_threshold, cfg.max_itl_factor},
                  cache_),
       runner_(cfg.executor ? cfg.executor(model, cache_) : std::make_unique<ModelRunner>(model, cache_)) {
   if (cfg_.speculative) {
@@ -249,6 +250,11 @@ bool Engine::samples_on_executor(const StepPlan& plan) const {
   return any;
 }
 
+void Engine::observe_step(const StepPlan& plan, std::chrono::steady_clock::time_point start) {
+  const double measured = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  scheduler_.observe(plan, cfg_.step_seconds ? cfg_.step_seconds(plan, measured) : measured);
+}
+
 StepOutput Engine::step() {
   StepOutput out;
   if (drafter_) propose_drafts();
@@ -277,7 +283,9 @@ StepOutput Engine::step() {
       }
     }
     for (size_t i = 0; i < rows.size(); ++i) rows[i].token_mask = masks[i];
+    const auto t0 = std::chrono::steady_clock::now();
     std::vector<SampledToken> tokens = runner_->execute_sampled(plan, rows);
+    observe_step(plan, t0);
     scheduler_.commit(plan);
     KESTREL_CHECK(tokens.size() == sampled.size(), "the executor sampled {} rows of {}", tokens.size(), sampled.size());
     for (size_t i = 0; i < sampled.size(); ++i) {
@@ -288,7 +296,9 @@ StepOutput Engine::step() {
     }
     return finish_step(plan, touched, std::move(out));
   }
+  const auto t0 = std::chrono::steady_clock::now();
   const std::vector<float>& logits = runner_->execute(plan);
+  observe_step(plan, t0);
   const int64_t V = model_.config().vocab_size;
   // Verification first: it decides how many of a sequence's positions the commit keeps.
   std::vector<VerifyResult> verified(plan.seqs.size());

@@ -1,6 +1,7 @@
 // The engine: requests in, tokens out, one loop of schedule -> execute -> update. It owns the cache (one pool of
 // rows laid out by the cache planner), the scheduler and the model runner; the model is shared and read-only.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,6 +28,11 @@ struct EngineConfig {
   int64_t max_num_batched_tokens = 2048;
   int max_num_seqs = 256;
   SchedulingPolicy policy = SchedulingPolicy::fcfs;
+  int64_t long_prefill_token_threshold = 0;  // SchedulerConfig's: vLLM's per-sequence prompt tokens per step
+  double max_itl_factor = 0;                 // SchedulerConfig's: the prompt share beside decodes (0: off)
+  // The step time the scheduler learns from, given the step and the measured seconds (empty: the measured time).
+  // For tests and simulations of other hardware.
+  std::function<double(const StepPlan&, double)> step_seconds;
   bool enable_prefix_caching = true;
   int checkpoint_interval = 1;   // KDA checkpoints every this many blocks of prompt
   // Empty: the CPU model runner over a host pool. Set (the GPU runner): the pool's bytes live with the executor,
@@ -94,6 +100,8 @@ class Engine {
 
  private:
   void sample(Sequence& s, const float* logits, StepOutput& out);
+  // The step of `plan`, executed since `start`, teaches the scheduler its cost (EngineConfig::step_seconds).
+  void observe_step(const StepPlan& plan, std::chrono::steady_clock::time_point start);
   // Speculative decoding: drafts for every running sequence that is about to decode (appended to its tokens).
   void propose_drafts();
   // The token chosen for s (by its sampler or by the executor): appended, reported, checked for the end.

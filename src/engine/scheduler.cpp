@@ -16,6 +16,10 @@ Scheduler::Scheduler(const SchedulerConfig& cfg, CacheManager& cache) : cfg_(cfg
                 cfg.max_num_batched_tokens, cfg.prefill_alignment);
   KESTREL_CHECK(cfg.checkpoint_interval >= 1, "the KDA checkpoint interval must be >= 1 block, got {}",
                 cfg.checkpoint_interval);
+  KESTREL_CHECK(cfg.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0, got {}",
+                cfg.long_prefill_token_threshold);
+  KESTREL_CHECK(cfg.max_itl_factor == 0 || cfg.max_itl_factor > 1,
+                "max_itl_factor must be 0 (off) or greater than 1, got {}", cfg.max_itl_factor);
 }
 
 bool Scheduler::before(const Sequence* a, const Sequence* b) const {
@@ -127,13 +131,29 @@ void Scheduler::preempt(Sequence* s) {
   ++preemptions_;
 }
 
+int64_t Scheduler::segment_budget(int64_t left, int64_t budget, int64_t prompt_budget) const {
+  if (left <= 1) return budget;
+  int64_t b = std::min(budget, prompt_budget);
+  if (cfg_.long_prefill_token_threshold > 0) b = std::min(b, cfg_.long_prefill_token_threshold);
+  return b;
+}
+
 StepPlan Scheduler::schedule() {
   StepPlan plan;
   int64_t budget = cfg_.max_num_batched_tokens;
+  // The prompt share beside running decodes (rows with one token to compute), from the measured step costs.
+  int64_t decodes = 0;
+  for (const Sequence* s : running_)
+    if (static_cast<int64_t>(s->tokens.size()) - s->num_computed == 1) ++decodes;
+  last_allowance_ = decodes > 0 ? costs_.prompt_allowance(decodes, cfg_.max_itl_factor) : -1;
+  if (last_allowance_ >= 0)
+    last_allowance_ = std::max<int64_t>({last_allowance_, kMinPromptChunk, cfg_.prefill_alignment});
+  int64_t prompt_budget = last_allowance_ >= 0 ? last_allowance_ : std::numeric_limits<int64_t>::max();
   bool preempted = false;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* s = running_[i];
-    const int64_t n = tokens_to_run(*s, s->num_computed, budget);
+    const int64_t left = static_cast<int64_t>(s->tokens.size()) - s->num_computed;
+    const int64_t n = tokens_to_run(*s, s->num_computed, segment_budget(left, budget, prompt_budget));
     if (n == 0) {
       ++i;
       continue;
@@ -154,6 +174,7 @@ StepPlan Scheduler::schedule() {
     if (!fits) break;
     plan.seqs.push_back(make_step(s, s->num_computed, n));
     budget -= n;
+    if (left > 1) prompt_budget -= n;
     ++i;
   }
   // Drafts are best effort: after every running sequence got its share, never preempting, cut to what is left.
@@ -164,13 +185,13 @@ StepPlan Scheduler::schedule() {
       s->draft_probs.clear();
     }
   // A step that had to preempt admits nobody: the rows it freed go to the sequences already running.
-  if (!preempted) admit_waiting(plan, budget);
+  if (!preempted) admit_waiting(plan, budget, prompt_budget);
   add_checkpoints(plan);
   for (const ScheduledSequence& x : plan.seqs) plan.num_tokens += x.count;
   return plan;
 }
 
-void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget) {
+void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, int64_t& prompt_budget) {
   while (!waiting_.empty() && budget > 0 && num_running() < cfg_.max_num_seqs) {
     Sequence* s = waiting_.front();
     const int64_t known = static_cast<int64_t>(s->tokens.size());
@@ -179,8 +200,10 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget) {
     int64_t limit = std::min(known - 1, reusable_end(*s));
     if (s->scored_until < s->prompt_len) limit = std::min(limit, s->scored_until - 1);
     const PrefixHit hit = cache_.lookup(s->rows, s->tokens, limit, s->request->cache_key);
-    const int64_t n = tokens_to_run(*s, hit.tokens, budget);
+    const int64_t left = known - hit.tokens;
+    const int64_t n = tokens_to_run(*s, hit.tokens, segment_budget(left, budget, prompt_budget));
     if (n == 0 || !cache_.admit(s->rows, hit, hit.tokens + n, plan.ops, plan.pins)) break;
+    if (left > 1) prompt_budget -= n;
     cache_.record_lookup(hit, known);
     s->num_computed = hit.tokens;
     waiting_.erase(waiting_.begin());
@@ -206,6 +229,15 @@ void Scheduler::add_checkpoints(StepPlan& plan) {
       x.checkpoints.push_back({k * B, std::move(rows)});
     }
   }
+}
+
+void Scheduler::observe(const StepPlan& plan, double seconds) {
+  int64_t decode_rows = 0, prompt_tokens = 0;
+  for (const ScheduledSequence& x : plan.seqs) {
+    if (x.count - x.num_draft == 1) ++decode_rows;  // a verification step counts as its decode row
+    else prompt_tokens += x.count;
+  }
+  costs_.observe(decode_rows, prompt_tokens, seconds);
 }
 
 void Scheduler::commit(const StepPlan& plan) {

@@ -11,6 +11,7 @@
 
 #include "cache/cache_manager.h"
 #include "engine/sequence.h"
+#include "engine/step_cost.h"
 
 namespace kestrel {
 
@@ -22,7 +23,16 @@ struct SchedulerConfig {
   SchedulingPolicy policy = SchedulingPolicy::fcfs;
   int prefill_alignment = 1;    // Model::prefill_alignment(): > 1 means prompts run KDA chunked
   int checkpoint_interval = 1;  // KDA checkpoints at every this many block boundaries of computed prompt
+  // vLLM's long_prefill_token_threshold: one sequence's prompt tokens in a step are at most this many (0: no cap).
+  int64_t long_prefill_token_threshold = 0;
+  // > 1: a step with running decodes carries at most the prompt tokens that keep its predicted time within this
+  // factor of the decodes' own step time (engine/step_cost.h); never fewer than kMinPromptChunk (or one KDA chunk),
+  // so that prompts progress. 0: off.
+  double max_itl_factor = 0;
 };
+
+// The fewest prompt tokens a step with decodes may carry under max_itl_factor.
+inline constexpr int64_t kMinPromptChunk = 64;
 
 // One sequence's part of a step.
 struct ScheduledSequence {
@@ -65,6 +75,11 @@ class Scheduler {
   void remove(Sequence* s);
 
   StepPlan schedule();
+  // The step of `plan` took `seconds` (measured by the engine around its execution): teaches the step cost model.
+  void observe(const StepPlan& plan, double seconds);
+  const StepCostModel& step_costs() const { return costs_; }
+  // The prompt tokens the last schedule() allowed beside its decodes (-1: no limit but the token budget).
+  int64_t last_prompt_allowance() const { return last_allowance_; }
   // After the step ran: advances computed tokens (less each sequence's rejected drafts: the KDA state of its last
   // kept position is swapped in), names full blocks and checkpoints of kept positions, releases pins.
   void commit(const StepPlan& plan);
@@ -88,13 +103,18 @@ class Scheduler {
   // Speculative decoding: extends the plain decodes of sequences with drafts by as many drafts as the budget, the
   // rows they already hold and rows nobody holds allow (drafts never preempt); the others are dropped.
   void add_drafts(StepPlan& plan, int64_t& budget);
-  void admit_waiting(StepPlan& plan, int64_t& budget);
+  void admit_waiting(StepPlan& plan, int64_t& budget, int64_t& prompt_budget);
+  // The token budget a sequence with `left` tokens to compute may use now: a prompt segment also within the
+  // prompt share and the per-sequence threshold.
+  int64_t segment_budget(int64_t left, int64_t budget, int64_t prompt_budget) const;
   void add_checkpoints(StepPlan& plan);
 
   SchedulerConfig cfg_;
   CacheManager& cache_;
   std::vector<Sequence*> waiting_, running_;  // running_ in schedule order: the last one is preempted first
   int64_t admissions_ = 0, preemptions_ = 0;
+  StepCostModel costs_;
+  int64_t last_allowance_ = -1;
 };
 
 }  // namespace kestrel
