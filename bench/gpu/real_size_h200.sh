@@ -10,7 +10,8 @@
 #         free text against a JSON-schema response_format (bench/gpu/structured_serve.py).
 #   itl   The step budget (--max-itl-factor): DeepSeek-V3.2 width, 2 layers (one MoE), dummy FP8 weights, 64 streams
 #         of 2048-token prompts and 128 output tokens (192 requests, so prompts keep arriving beside running decodes),
-#         --max-num-batched-tokens 8192; `kestrel bench serve` with the factor off (0) and at 2: ITL p50/p99, TTFT.
+#         --max-num-batched-tokens 8192; `kestrel bench serve` with the factor off (0), at 2 and at 4 (or
+#         KESTREL_ITL_FACTORS): ITL p50/p99, TTFT.
 #   disk  A ~15.8 GB safetensors checkpoint (DeepSeek-V3.2 width, 2 layers, one of them MoE, FP8) written with
 #         make-model --dummy-weights, dropped from the page cache, then loaded from disk: GB/s and peak host RSS.
 # Usage: bench/gpu/real_size_h200.sh [kl48,ds6,k31,json,itl,disk] [log-dir]    (default: all, $OUT)
@@ -74,7 +75,7 @@ fi
 if has itl; then
   [ -f "$W/ds/config.json" ] || step ds6-make "$K" make-model --arch deepseek_v32 --preset deepseek-v3.2 --out "$W/ds" \
     --tokenizer
-  for f in 0 2; do
+  for f in ${KESTREL_ITL_FACTORS:-0 2 4}; do
     "$K" serve "$W/ds" --port 8140 --load-format dummy --hf-overrides '{"num_hidden_layers": 2, "first_k_dense_replace": 1}' \
       --device cuda --gpu-memory-utilization 0.9 --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 8192 \
       --max-itl-factor "$f" >"$LOGS/real-itl-serve-$f.log" 2>&1 &

@@ -145,9 +145,16 @@ StepPlan Scheduler::schedule() {
   int64_t decodes = 0;
   for (const Sequence* s : running_)
     if (static_cast<int64_t>(s->tokens.size()) - s->num_computed == 1) ++decodes;
-  last_allowance_ = decodes > 0 ? costs_.prompt_allowance(decodes, cfg_.max_itl_factor) : -1;
-  if (last_allowance_ >= 0)
-    last_allowance_ = std::max<int64_t>({last_allowance_, kMinPromptChunk, cfg_.prefill_alignment});
+  last_allowance_ = -1;
+  if (decodes > 0 && cfg_.max_itl_factor > 1) {
+    if (!costs_.knows_decode(decodes)) {
+      last_allowance_ = 0;  // a step of the decodes alone measures them (at most two per bucket of rows)
+    } else {
+      // Unknown prompt cost: the floor, whose step then teaches it.
+      last_allowance_ = std::max<int64_t>({costs_.prompt_allowance(decodes, cfg_.max_itl_factor), kMinPromptChunk,
+                                           cfg_.prefill_alignment});
+    }
+  }
   int64_t prompt_budget = last_allowance_ >= 0 ? last_allowance_ : std::numeric_limits<int64_t>::max();
   bool preempted = false;
   for (size_t i = 0; i < running_.size() && budget > 0;) {

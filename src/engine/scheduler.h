@@ -27,7 +27,8 @@ struct SchedulerConfig {
   int64_t long_prefill_token_threshold = 0;
   // > 1: a step with running decodes carries at most the prompt tokens that keep its predicted time within this
   // factor of the decodes' own step time (engine/step_cost.h); never fewer than kMinPromptChunk (or one KDA chunk),
-  // so that prompts progress. 0: off.
+  // so that prompts progress, except while the decodes' step time for that many rows is not measured yet: then the
+  // step runs them alone (twice per power-of-two bucket of rows: the first is skipped). 0: off.
   double max_itl_factor = 0;
 };
 
@@ -78,7 +79,8 @@ class Scheduler {
   // The step of `plan` took `seconds` (measured by the engine around its execution): teaches the step cost model.
   void observe(const StepPlan& plan, double seconds);
   const StepCostModel& step_costs() const { return costs_; }
-  // The prompt tokens the last schedule() allowed beside its decodes (-1: no limit but the token budget).
+  // The prompt tokens the last schedule() allowed beside its decodes (-1: no limit but the token budget; 0: none,
+  // a step of decodes alone measures them).
   int64_t last_prompt_allowance() const { return last_allowance_; }
   // After the step ran: advances computed tokens (less each sequence's rejected drafts: the KDA state of its last
   // kept position is swapped in), names full blocks and checkpoints of kept positions, releases pins.

@@ -42,6 +42,8 @@ double StepCostModel::decode_seconds(int64_t n) const {
   return -1;
 }
 
+bool StepCostModel::knows_decode(int64_t n) const { return decode_[static_cast<size_t>(bucket(n))].seen >= 2; }
+
 double StepCostModel::prompt_token_seconds() const {
   if (mixed_.seen >= 1) return mixed_.value;
   if (prompt_only_.seen >= 1) return prompt_only_.value;

@@ -27,10 +27,12 @@ class StepCostModel {
   void observe(int64_t decode_rows, int64_t prompt_tokens, double seconds);
   // Predicted seconds of a step of n decode rows; < 0 when no step near n was measured.
   double decode_seconds(int64_t n) const;
+  // Whether n's own bucket was measured (the scheduler runs steps of decodes alone until it is).
+  bool knows_decode(int64_t n) const;
   // Predicted seconds per prompt token; < 0 when unknown.
   double prompt_token_seconds() const;
-  // The most prompt tokens a step with n > 0 decode rows may carry under factor F > 1; -1: no limit (nothing
-  // measured yet, or F <= 1 which means off).
+  // The most prompt tokens a step with n > 0 decode rows may carry under factor F > 1; -1: unknown (nothing
+  // measured yet) or no limit (F <= 1, which means off; n = 0).
   int64_t prompt_allowance(int64_t n, double factor) const;
 
  private:

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <map>
 
 #include "core/error.h"
@@ -32,6 +33,8 @@ TEST(StepCostModel, PredictsFromObservedSteps) {
   EXPECT_DOUBLE_EQ(m.decode_seconds(8), 0.011);
   EXPECT_DOUBLE_EQ(m.decode_seconds(5), 0.011);   // 5-8 share a bucket
   EXPECT_DOUBLE_EQ(m.decode_seconds(64), 0.011);  // the nearest measured bucket
+  EXPECT_TRUE(m.knows_decode(5));
+  EXPECT_FALSE(m.knows_decode(64));
   EXPECT_EQ(m.prompt_allowance(8, 2.0), -1);      // the prompt tokens' cost is not known yet
 
   // Steps of prompt tokens only teach an upper bound of the per-token cost (their fixed part included); the first
@@ -75,7 +78,14 @@ struct BudgetRun {
 };
 
 // Eight short requests decode while two long prompts arrive (at steps 3 and 40).
-BudgetRun run_with(Arch arch, double factor, int64_t threshold) {
+void two_long_prompts(Engine& e, int step) {
+  if (step == 0)
+    for (uint32_t i = 0; i < 8; ++i) e.add_request(random_prompt(40, 100 + i), greedy(80), 0, true);
+  if (step == 3 || step == 40) e.add_request(random_prompt(1500, 7 + static_cast<uint32_t>(step)), greedy(8), 0, true);
+}
+
+BudgetRun run_with(Arch arch, double factor, int64_t threshold,
+                   const std::function<void(Engine&, int)>& arrivals = two_long_prompts) {
   const Model& m = tiny_model(arch);
   EngineConfig cfg;
   cfg.max_model_len = 2048;
@@ -97,10 +107,10 @@ BudgetRun run_with(Arch arch, double factor, int64_t threshold) {
   };
   Engine e(m, cfg);
   engine = &e;
-  for (uint32_t i = 0; i < 8; ++i) e.add_request(random_prompt(40, 100 + i), greedy(80), 0, true);
   int step = 0;
+  arrivals(e, step);
   while (e.has_unfinished()) {
-    if (step == 3 || step == 40) e.add_request(random_prompt(1500, 7 + static_cast<uint32_t>(step)), greedy(8), 0, true);
+    if (step > 0) arrivals(e, step);
     StepOutput o = e.step();
     e.check_accounting();
     for (const TokenEvent& t : o.tokens) run.token_steps[t.request].push_back(step);
@@ -134,8 +144,15 @@ TEST_P(StepBudget, LongPromptsBesideDecodesKeepTheDecodesStepTime) {
   int limited = 0;
   for (size_t s = 0; s < kept.steps.size(); ++s) {
     const StepRecord& r = kept.steps[s];
-    if (r.decode_rows == 0 || r.allowance < 0) continue;
-    EXPECT_LE(r.prompt_tokens, std::max(r.allowance, floor_tokens)) << "step " << s;
+    if (r.decode_rows == 0) continue;
+    // With decodes there is always a limit: none while their step time is not measured, else the prediction's.
+    ASSERT_GE(r.allowance, 0) << "step " << s;
+    if (r.allowance == 0) {
+      EXPECT_EQ(r.prompt_tokens, 0) << "step " << s;
+      continue;
+    }
+    EXPECT_GE(r.allowance, floor_tokens) << "step " << s;
+    EXPECT_LE(r.prompt_tokens, r.allowance) << "step " << s;
     if (r.prompt_tokens > 0) {
       ++limited;
       // Every step that had a prediction stays within the factor of the decodes' own time, up to the floor chunk
@@ -156,6 +173,34 @@ TEST_P(StepBudget, LongPromptsBesideDecodesKeepTheDecodesStepTime) {
   for (RequestId r = 0; r < 8; ++r) {
     const std::vector<int>& steps = kept.token_steps.at(r);
     for (size_t i = 1; i < steps.size(); ++i) EXPECT_EQ(steps[i], steps[i - 1] + 1) << "request " << r;
+  }
+}
+
+TEST_P(StepBudget, ArrivalsAtOnceMeasureTheDecodesBeforePromptsJoinThem) {
+  // Twenty requests of 300 tokens at once: more prompt than one step's budget, so the first decodes start while
+  // prompts wait. Their step time is not known yet: they run alone (twice per bucket of rows) before any prompt
+  // joins them, instead of waiting behind whole-budget prompt steps.
+  const Arch arch = GetParam();
+  auto at_once = [](Engine& e, int step) {
+    if (step == 0)
+      for (uint32_t i = 0; i < 20; ++i) e.add_request(random_prompt(300, 300 + i), greedy(24), 0, true);
+  };
+  const BudgetRun plain = run_with(arch, 0, 0, at_once);
+  const BudgetRun kept = run_with(arch, 2.0, 0, at_once);
+  expect_same_outputs(plain, kept);
+  size_t first = 0;
+  while (first < kept.steps.size() && kept.steps[first].decode_rows == 0) ++first;
+  ASSERT_LT(first + 1, kept.steps.size());
+  EXPECT_EQ(kept.steps[first].prompt_tokens, 0);
+  EXPECT_EQ(kept.steps[first + 1].prompt_tokens, 0);
+  // Without the factor the same step carries prompts beside the decodes.
+  ASSERT_EQ(plain.steps[first].decode_rows, kept.steps[first].decode_rows);
+  EXPECT_GT(plain.steps[first].prompt_tokens, 0);
+  for (size_t s = first; s < kept.steps.size(); ++s) {
+    const StepRecord& r = kept.steps[s];
+    if (r.decode_rows == 0) continue;
+    ASSERT_GE(r.allowance, 0) << "step " << s;
+    EXPECT_LE(r.prompt_tokens, r.allowance) << "step " << s;
   }
 }
 
