@@ -55,8 +55,22 @@ void SamplingParams::validate(int64_t vocab) const {
                   constraint->grammar ? constraint->grammar->vocab_size() : 0, vocab);
 }
 
+namespace {
+
+// splitmix64's output function: a bijection of 64-bit words that spreads every input bit over the output.
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+// The stream's start is a mix of the seed and the stream index, so that neighbouring seeds (or completions) start at
+// unrelated points: a start linear in the seed with the stream's own increment made seed s + 1 draw seed s's
+// stream shifted by one.
 Sampler::Sampler(const SamplingParams& p, std::span<const int32_t> prompt, uint64_t stream)
-    : p_(p), state_(p.seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull + stream * 0xD1B54A32D192ED03ull) {
+    : p_(p), state_(mix64(mix64(p.seed ^ 0x632BE59BD9B4E019ull) + stream * 0xD1B54A32D192ED03ull)) {
   if (p.repetition_penalty != 1.0f) prompt_tokens_.insert(prompt.begin(), prompt.end());
 }
 
@@ -65,12 +79,7 @@ bool Sampler::penalised() const {
 }
 
 // splitmix64: one step of the stream.
-uint64_t Sampler::next_random() {
-  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+uint64_t Sampler::next_random() { return mix64(state_ += 0x9E3779B97F4A7C15ull); }
 
 void token_logprob(const float* raw, int64_t vocab, int32_t token, int top_n, TokenLogprob& out) {
   const float mx = *std::max_element(raw, raw + vocab);

@@ -3,6 +3,8 @@
 // sampling against the softmax with a stated bound.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -161,6 +163,24 @@ TEST(Sampler, SeededStreamsAreReproducibleAndIndependent) {
   std::vector<int32_t> out;
   for (int i = 0; i < 64; ++i) out.push_back(other.sample(kLogits.data(), 4));
   EXPECT_NE(out, draw(0));
+}
+
+TEST(Sampler, NeighbouringSeedsAndStreamsShareNoDraws) {
+  // A start linear in the seed with the stream's own increment made seed s + 1 draw seed s's uniforms shifted by
+  // one. No uniform of one stream may appear among the first draws of a neighbouring seed's or completion's.
+  auto uniforms = [](uint64_t seed, uint64_t stream) {
+    SamplingParams p = params(1.0f);
+    p.seed = seed;
+    Sampler s(p, {}, stream);
+    std::set<double> out;
+    for (int i = 0; i < 32; ++i) out.insert(s.draw_uniform());
+    return out;
+  };
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    const std::set<double> a = uniforms(seed, 0);
+    for (const std::set<double>& b : {uniforms(seed + 1, 0), uniforms(seed, 1), uniforms(seed + 1, 1)})
+      for (double u : b) EXPECT_EQ(a.count(u), 0u) << "seed " << seed << " shares the draw " << u;
+  }
 }
 
 TEST(Sampler, InvalidParametersAreNamed) {
