@@ -92,16 +92,19 @@ void Engine::propose_drafts() {
   for (Sequence* s : scheduler_.running()) {
     const int64_t L = static_cast<int64_t>(s->tokens.size());
     // Only a sequence that decodes next (its last token sampled, everything before it computed) drafts; one that
-    // keeps its logits or follows a grammar decodes one token at a time.
+    // keeps its logits decodes one token at a time.
     if (s->num_draft != 0 || !s->drafts.empty() || s->num_computed != L - 1 || L <= s->prompt_len) continue;
     const Request& r = *s->request;
-    if (r.keep_logits || s->constraint) continue;
+    if (r.keep_logits) continue;
     const int most = std::min<int64_t>(k, r.params.max_tokens - s->num_generated() - 1);
     if (most <= 0) continue;
     draft_.tokens.clear();
     draft_.probs.clear();
     drafter_->propose(*s, most, V, draft_);
-    const int m = static_cast<int>(std::min<size_t>(draft_.tokens.size(), static_cast<size_t>(most)));
+    int m = static_cast<int>(std::min<size_t>(draft_.tokens.size(), static_cast<size_t>(most)));
+    // With a grammar, drafts after one outside it (or after its end) are never verified.
+    if (s->constraint && m > 0)
+      m = static_cast<int>(grammar_draft_prefix(*s->constraint, std::span(draft_.tokens).first(static_cast<size_t>(m))));
     if (m == 0) continue;
     KESTREL_CHECK(draft_.probs.empty() || static_cast<int64_t>(draft_.probs.size()) >= m * V,
                   "a drafter gave {} draft probabilities for {} drafts of vocabulary {}", draft_.probs.size(), m, V);
@@ -311,9 +314,11 @@ StepOutput Engine::step() {
       if (x.num_draft == 0) continue;
       Sequence& s = *x.seq;
       const SpeculativeConfig& sc = *cfg_.speculative;
-      const VerifyOptions opt{sc.rejection_sample_method == "synthetic", sc.synthetic_acceptance_rates};
-      verified[i] = verify_draft(s.sampler, first, V, std::span(s.tokens).subspan(x.start + 1, x.num_draft),
-                                 s.draft_probs, s.request->params.logprobs >= 0, opt);
+      VerifyOptions opt{sc.rejection_sample_method == "synthetic", sc.synthetic_acceptance_rates, {}};
+      const std::span<const int32_t> drafts = std::span(s.tokens).subspan(x.start + 1, x.num_draft);
+      std::vector<std::vector<uint32_t>> masks;
+      if (s.constraint) opt.masks = masks = grammar_draft_masks(*s.constraint, drafts);
+      verified[i] = verify_draft(s.sampler, first, V, drafts, s.draft_probs, s.request->params.logprobs >= 0, opt);
       const int a = verified[i].accepted;
       x.rejected = x.num_draft - a;
       ++stats_.spec.num_drafts;

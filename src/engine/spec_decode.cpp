@@ -186,6 +186,18 @@ VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<
                 q.size(), k, V);
   KESTREL_CHECK(!opt.synthetic || static_cast<int64_t>(opt.synthetic_rates.size()) >= k,
                 "synthetic verification needs a rate for each of {} positions", k);
+  KESTREL_CHECK(opt.masks.size() <= static_cast<size_t>(k) + 1, "{} grammar masks for {} drafts", opt.masks.size(), k);
+  // Positions 0..last may be sampled: with a grammar, the ones it has masks for.
+  const int64_t last = opt.masks.empty() ? k : static_cast<int64_t>(opt.masks.size()) - 1;
+  auto mask_of = [&](int64_t row) -> std::span<const uint32_t> {
+    if (opt.masks.empty()) return {};
+    KESTREL_CHECK(row <= last, "verification reached position {} past the grammar's masks", row);
+    return opt.masks[static_cast<size_t>(row)];
+  };
+  auto allowed = [&](int64_t row, int32_t t) {
+    const std::span<const uint32_t> m = mask_of(row);
+    return m.empty() || (m[static_cast<size_t>(t >> 5)] >> (t & 31) & 1) != 0;
+  };
   VerifyResult r;
   SamplingCandidates c;
   auto emit = [&](int64_t row, int32_t token) {
@@ -199,18 +211,21 @@ VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<
   // The normal sampler's choice from row i (sample_token: the same uniform, penalties and candidates).
   auto normal = [&](int64_t row) {
     const double u = s.draw_uniform();
-    sampling_candidates(p, logits + row * V, V, s.penalty_tokens(), {}, c);
+    sampling_candidates(p, logits + row * V, V, s.penalty_tokens(), mask_of(row), c);
     return draw_candidate(c, u);
   };
+  // An accepted draft that ended the grammar ends the step's tokens: nothing may follow it.
+  auto ended = [&](int64_t i) { return !opt.masks.empty() && i + 1 > last; };
   for (int64_t i = 0; i < k; ++i) {
     const int32_t d = drafts[static_cast<size_t>(i)];
     KESTREL_CHECK(d >= 0 && d < V, "draft token {} is outside the vocabulary (0..{})", d, V - 1);
     if (opt.synthetic) {
       const double prev = i ? opt.synthetic_rates[static_cast<size_t>(i - 1)] : 1.0;
       const double cond = prev > 0.0 ? opt.synthetic_rates[static_cast<size_t>(i)] / prev : 0.0;
-      if (s.draw_uniform_always() < cond) {
+      if (s.draw_uniform_always() < cond && allowed(i, d)) {
         emit(i, d);
         ++r.accepted;
+        if (ended(i)) return r;
         continue;
       }
       emit(i, normal(i));
@@ -222,9 +237,10 @@ VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<
       emit(i, t);
       if (t != d) return r;
       ++r.accepted;
+      if (ended(i)) return r;
       continue;
     }
-    sampling_candidates(p, logits + i * V, V, s.penalty_tokens(), {}, c);
+    sampling_candidates(p, logits + i * V, V, s.penalty_tokens(), mask_of(i), c);
     const float* qi = q.empty() ? nullptr : q.data() + i * V;
     auto q_of = [&](int32_t t) -> double { return qi ? static_cast<double>(qi[t]) : (t == d ? 1.0 : 0.0); };
     double p_d = 0.0;
@@ -235,6 +251,7 @@ VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<
     if (q_d > 0.0 && u * q_d < p_d) {
       emit(i, d);
       ++r.accepted;
+      if (ended(i)) return r;
       continue;
     }
     // Rejected: draw from the residual max(0, p - q), normalised (tokens outside the candidates have p = 0).
@@ -261,6 +278,33 @@ VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<
   }
   emit(k, normal(k));  // every draft accepted: the bonus token
   return r;
+}
+
+std::vector<std::vector<uint32_t>> grammar_draft_masks(grammar::OutputMatcher& m, std::span<const int32_t> drafts) {
+  std::vector<std::vector<uint32_t>> masks;
+  int advanced = 0;
+  for (size_t j = 0;; ++j) {
+    masks.emplace_back(static_cast<size_t>(m.mask_words()));
+    m.fill_mask(masks.back());
+    if (j == drafts.size() || !m.accept_token(drafts[j])) break;  // outside the grammar: rejected for sure
+    ++advanced;
+    if (m.terminated()) break;  // the grammar ended with this draft
+  }
+  m.rollback(advanced);
+  return masks;
+}
+
+size_t grammar_draft_prefix(grammar::OutputMatcher& m, std::span<const int32_t> drafts) {
+  size_t n = 0;
+  int advanced = 0;
+  while (n < drafts.size()) {
+    const bool ok = m.accept_token(drafts[n++]);
+    if (!ok) break;
+    ++advanced;
+    if (m.terminated()) break;
+  }
+  m.rollback(advanced);
+  return n;
 }
 
 }  // namespace kestrel

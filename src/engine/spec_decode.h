@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "grammar/output_constraint.h"
 
 namespace kestrel {
 
@@ -73,6 +74,10 @@ std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c);
 struct VerifyOptions {
   bool synthetic = false;                     // rejection_sample_method synthetic
   std::span<const double> synthetic_rates;    // per position: P(first i + 1 accepted)
+  // Structured output: the grammar's allowed tokens (bit t of words[t / 32]) at positions 0..n-1 of the step, each
+  // after the drafts before it (grammar_draft_masks). Fewer than k + 1: the last position's draft is outside the
+  // grammar (rejected for sure) or ends it (nothing follows it once accepted). Empty: no grammar.
+  std::span<const std::vector<uint32_t>> masks;
 };
 
 // What verification chose for one sequence: the accepted drafts d_1..d_a, then one token of the target's (the
@@ -96,6 +101,15 @@ struct VerifyResult {
 //    acceptance lengths, not lossless); the token after the accepted ones is the normal sampler's.
 VerifyResult verify_draft(Sampler& sampler, const float* logits, int64_t vocab, std::span<const int32_t> drafts,
                           std::span<const float> q, bool want_logprobs, const VerifyOptions& opt = {});
+
+// Structured output with drafts. The masks of the positions a verification step can sample (VerifyOptions::masks):
+// position j's after drafts 0..j-1, up to the first draft outside the grammar or the draft that ends it. The matcher
+// is left as it was.
+std::vector<std::vector<uint32_t>> grammar_draft_masks(grammar::OutputMatcher& m, std::span<const int32_t> drafts);
+// How many drafts are worth verifying: through the first one outside the grammar (which is rejected for sure) or
+// the one that ends it. Cutting there changes no result, also for drafts sampled with their q. The matcher is left
+// as it was.
+size_t grammar_draft_prefix(grammar::OutputMatcher& m, std::span<const int32_t> drafts);
 
 // Counters with vLLM's meanings (vllm:spec_decode_*): drafts = verification steps of a sequence with >= 1 draft.
 struct SpecDecodeCounters {

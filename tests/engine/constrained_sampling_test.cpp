@@ -7,35 +7,18 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/model_runner.h"
-#include "grammar/json_schema.h"
-#include "text/tokenizer.h"
-#include "tiny_models.h"
+#include "schema_constraint.h"
 
 namespace kestrel {
 namespace {
 
+using test::kEos;
 using test::random_prompt;
-using test::tiny_dir;
 using test::tiny_model;
-
-constexpr int32_t kEos = 258;
-
-const char* kSchema = R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-  "n": {"type": "integer", "minimum": -5, "maximum": 40}, "ok": {"type": "boolean"},
-  "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}, "required": ["name", "n", "ok"]})";
-
-std::shared_ptr<const grammar::OutputConstraint> constraint(const Model& m, bool any_whitespace) {
-  static const text::Tokenizer tok = text::Tokenizer::load(tiny_dir(Arch::kimi_k3));
-  const auto vocab = grammar::Vocabulary::from_tokenizer(tok, static_cast<int32_t>(m.config().vocab_size), {kEos});
-  auto c = std::make_shared<grammar::OutputConstraint>();
-  c->grammar = std::make_shared<grammar::CompiledGrammar>(
-      grammar::json_schema_grammar(nlohmann::ordered_json::parse(kSchema), {.any_whitespace = any_whitespace}), vocab);
-  return c;
-}
 
 // The completion's text is an object of the schema.
 void expect_valid(const Completion& c, const std::string& where) {
-  static const text::Tokenizer tok = text::Tokenizer::load(tiny_dir(Arch::kimi_k3));
+  const text::Tokenizer& tok = test::tiny_tokenizer();
   ASSERT_EQ(c.finish, FinishReason::stop) << where;
   ASSERT_FALSE(c.token_ids.empty());
   EXPECT_EQ(c.token_ids.back(), kEos) << where;
@@ -68,7 +51,7 @@ std::vector<SamplingParams> params_set(const Model& m) {
     p.n = i == 5 ? 3 : 1;             // forks: each child starts from the grammar's start
     p.ignore_eos = i == 2;            // the grammar's end still ends the completion
     p.logprobs = i == 1 ? 2 : -1;
-    p.constraint = constraint(m, i % 2 == 0);
+    p.constraint = test::schema_constraint(m, i % 2 == 0);
     v.push_back(p);
   }
   return v;

@@ -6,12 +6,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
 
 #include "core/error.h"
 #include "engine/spec_decode.h"
+#include "schema_constraint.h"
 #include "tiny_models.h"
 
 namespace kestrel {
@@ -127,9 +129,13 @@ Outputs run_rounds(const Model& m, EngineConfig cfg, int max_tokens, const std::
 // One round of greedy requests through a fresh engine: every completion's tokens and log-probabilities in order,
 // and the engine's counters; the pool is left unreferenced and consistent.
 Outputs run_once(const Model& m, const EngineConfig& cfg, const std::vector<std::vector<int32_t>>& prompts,
-                 int max_tokens) {
+                 int max_tokens, const std::function<void(size_t, SamplingParams&)>& adjust = {}) {
   Engine e(m, cfg);
-  for (const auto& p : prompts) e.add_request(p, greedy_with_logprobs(max_tokens));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SamplingParams p = greedy_with_logprobs(max_tokens);
+    if (adjust) adjust(i, p);
+    e.add_request(prompts[i], p);
+  }
   const std::vector<RequestOutput> out = run_checked(e);
   EXPECT_EQ(e.cache().pool().num_referenced(), 0);
   e.cache().pool().check_consistency();
@@ -403,6 +409,71 @@ TEST(SpecSampling, SeededRunsRepeat) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Structured output with drafts: drafts are checked against each request's grammar (verification samples every
+// position from the grammar's mask after the drafts before it; a draft outside the grammar is rejected, one that
+// ends it ends the step's tokens, and the automaton is left at the kept tokens). Greedy output equals greedy output
+// without speculation, token for token and log-prob bit for bit, with drafts right, wrong (mostly outside the
+// grammar) at every position in turn, all wrong, and from prompt lookup.
+class SpecGrammar : public ::testing::TestWithParam<std::tuple<Arch, DrafterKind>> {};
+
+TEST_P(SpecGrammar, EqualsGreedyWithoutSpeculation) {
+  const auto [arch, kind] = GetParam();
+  const Model& m = tiny_model(arch);
+  EngineConfig cfg;
+  cfg.max_model_len = 512;
+  auto constrained = [&](size_t i, SamplingParams& p) {
+    p.constraint = test::schema_constraint(m, i % 2 == 0);
+    if (kind == DrafterKind::ngram) p.repetition_penalty = 0.05f;
+  };
+  const Outputs plain = run_once(m, cfg, test_prompts(), 200, constrained);
+  int ended = 0;
+  for (const auto& t : plain.tokens) ended += t.back() == test::kEos;
+  EXPECT_GT(ended, 0) << "no completion reached the grammar's end";
+  EngineConfig sc = cfg;
+  sc.speculative = ngram_config();
+  sc.drafter = drafter_for(kind, plain);
+  const Outputs spec = run_once(m, sc, test_prompts(), 200, constrained);
+  expect_same(spec, plain);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  if (kind == DrafterKind::oracle) EXPECT_GT(spec.stats.spec.num_accepted_tokens, 0);
+  if (kind == DrafterKind::all_wrong) EXPECT_EQ(spec.stats.spec.num_accepted_tokens, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, SpecGrammar,
+                         ::testing::Combine(::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
+                                            ::testing::Values(DrafterKind::ngram, DrafterKind::oracle,
+                                                              DrafterKind::all_wrong)),
+                         [](const auto& info) {
+                           return std::string(arch_name(std::get<0>(info.param))) + "_" +
+                                  kind_name(std::get<1>(info.param));
+                         });
+
+TEST(SpecGrammar, DraftMasksStopAtTheFirstDraftOutsideTheGrammar) {
+  const Model& m = tiny_model(Arch::kimi_k3);
+  grammar::OutputMatcher g(test::schema_constraint(m, false));
+  const std::vector<int32_t> ok = test::tiny_tokenizer().encode(R"({"name": "ab")");
+  ASSERT_GE(ok.size(), 2u);
+  std::vector<int32_t> drafts = ok;
+  drafts.push_back(test::tiny_tokenizer().encode("]").at(0));  // not after a string value
+  drafts.push_back(ok[0]);
+  const std::vector<std::vector<uint32_t>> masks = grammar_draft_masks(g, drafts);
+  ASSERT_EQ(masks.size(), ok.size() + 1);  // positions 0..|ok|: the last one is the bad draft's, rejected for sure
+  EXPECT_EQ(g.num_accepted(), 0);          // the matcher is where it was
+  auto allows = [](const std::vector<uint32_t>& w, int32_t t) { return (w[t >> 5] >> (t & 31) & 1) != 0; };
+  for (size_t j = 0; j < ok.size(); ++j) EXPECT_TRUE(allows(masks[j], drafts[j])) << "position " << j;
+  EXPECT_FALSE(allows(masks[ok.size()], drafts[ok.size()]));
+  EXPECT_EQ(grammar_draft_prefix(g, drafts), ok.size() + 1);
+  EXPECT_EQ(g.num_accepted(), 0);
+  // A draft that ends the grammar: nothing after it is verified.
+  const std::vector<int32_t> whole = test::tiny_tokenizer().encode(R"({"name": "a", "n": 1, "ok": true})");
+  std::vector<int32_t> ending = whole;
+  ending.push_back(test::kEos);
+  ending.push_back(ok[0]);
+  EXPECT_EQ(grammar_draft_masks(g, ending).size(), whole.size() + 1);
+  EXPECT_EQ(grammar_draft_prefix(g, ending), whole.size() + 1);
+  EXPECT_EQ(g.num_accepted(), 0);
+}
+
 // The verifier's output distribution: chi-square against the target.
 
 constexpr int kV = 6;
@@ -419,14 +490,25 @@ std::vector<float> target_logits(int prev) {
   return std::vector<float>(table.begin() + prev * kV, table.begin() + (prev + 1) * kV);
 }
 
-// The target distribution written out independently of the sampler: softmax at temperature 1, the smallest head
-// (by decreasing probability, ties to the lower id) whose mass reaches top_p, renormalised.
-std::vector<double> target_probs(int prev, double top_p) {
+// A grammar over the kV tokens for the distribution tests: after token `prev`, token t is allowed when
+// (t + prev) % 3 != 0.
+bool grammar_allows(int prev, int t) { return (t + prev) % 3 != 0; }
+std::vector<uint32_t> grammar_mask(int prev) {
+  uint32_t w = 0;
+  for (int t = 0; t < kV; ++t)
+    if (grammar_allows(prev, t)) w |= 1u << t;
+  return {w};
+}
+
+// The target distribution written out independently of the sampler: softmax at temperature 1 (over the tokens the
+// grammar allows, with `grammar`), the smallest head (by decreasing probability, ties to the lower id) whose mass
+// reaches top_p, renormalised.
+std::vector<double> target_probs(int prev, double top_p, bool grammar = false) {
   const std::vector<float> l = target_logits(prev);
   std::vector<double> p(kV);
   double z = 0.0;
   const double mx = *std::max_element(l.begin(), l.end());
-  for (int i = 0; i < kV; ++i) z += p[i] = std::exp(l[i] - mx);
+  for (int i = 0; i < kV; ++i) z += p[i] = grammar && !grammar_allows(prev, i) ? 0.0 : std::exp(l[i] - mx);
   for (double& x : p) x /= z;
   std::vector<int> order(kV);
   std::iota(order.begin(), order.end(), 0);
@@ -455,7 +537,8 @@ enum class Drafts { point_mass, full_q };
 
 // The first two tokens generated after token 0 by speculative decoding with k = 3 drafts per step; `synthetic`
 // accepts every draft (a broken verifier: the negative control).
-std::pair<int, int> spec_two_tokens(uint64_t seed, Drafts drafts, bool synthetic, std::mt19937_64& draft_rng) {
+std::pair<int, int> spec_two_tokens(uint64_t seed, Drafts drafts, bool synthetic, std::mt19937_64& draft_rng,
+                                    bool grammar = false) {
   SamplingParams sp;
   sp.temperature = 1.0f;
   sp.top_p = 0.95f;
@@ -493,6 +576,14 @@ std::pair<int, int> spec_two_tokens(uint64_t seed, Drafts drafts, bool synthetic
     VerifyOptions opt;
     opt.synthetic = synthetic;
     opt.synthetic_rates = all_accept;
+    // With the grammar: the masks of the positions up to the first draft outside it (as grammar_draft_masks).
+    std::vector<std::vector<uint32_t>> masks;
+    if (grammar) {
+      int g = prev;
+      masks.push_back(grammar_mask(g));
+      for (int i = 0; i < 3 && grammar_allows(g, d[i]); ++i) masks.push_back(grammar_mask(g = d[i]));
+      opt.masks = masks;
+    }
     const VerifyResult r = verify_draft(sampler, logits.data(), kV, d, q, false, opt);
     EXPECT_EQ(r.tokens.size(), static_cast<size_t>(r.accepted + 1));
     for (int i = 0; i < r.accepted; ++i) EXPECT_EQ(r.tokens[i], d[i]);
@@ -504,19 +595,19 @@ std::pair<int, int> spec_two_tokens(uint64_t seed, Drafts drafts, bool synthetic
 
 // Pearson's chi-square of the joint counts of the first two tokens against p(x1 | 0) p(x2 | x1), over the cells of
 // positive probability (a token of probability 0 is a failure by itself), and its degrees of freedom.
-std::pair<double, int> chi_square(Drafts drafts, bool synthetic, int draws) {
+std::pair<double, int> chi_square(Drafts drafts, bool synthetic, int draws, bool grammar = false) {
   std::vector<int64_t> counts(kV * kV, 0);
   std::mt19937_64 draft_rng(99);
   for (int i = 0; i < draws; ++i) {
-    const auto [a, b] = spec_two_tokens(1000 + static_cast<uint64_t>(i), drafts, synthetic, draft_rng);
+    const auto [a, b] = spec_two_tokens(1000 + static_cast<uint64_t>(i), drafts, synthetic, draft_rng, grammar);
     ++counts[a * kV + b];
   }
-  const std::vector<double> p0 = target_probs(0, 0.95);
+  const std::vector<double> p0 = target_probs(0, 0.95, grammar);
   double chi = 0.0;
   int cells = 0;
   int64_t impossible = 0;
   for (int a = 0; a < kV; ++a) {
-    const std::vector<double> p1 = target_probs(a, 0.95);
+    const std::vector<double> p1 = target_probs(a, 0.95, grammar);
     for (int b = 0; b < kV; ++b) {
       const double e = draws * p0[a] * p1[b];
       const double n = static_cast<double>(counts[a * kV + b]);
@@ -555,6 +646,17 @@ TEST(SpecDistribution, FullQDraftsMatchTheTarget) {
 }
 
 // The negative control: accepting every draft (synthetic rate 1) is not the target's distribution, and the test sees it.
+TEST(SpecDistribution, DraftsUnderAGrammarMatchTheMaskedTarget) {
+  // Drafts outside the grammar are rejected for sure; every position samples from the grammar's mask.
+  for (Drafts d : {Drafts::point_mass, Drafts::full_q}) {
+    const auto [chi, df] = chi_square(d, false, kDraws, true);
+    EXPECT_GE(df, 3);
+    std::printf("grammar, %s drafts: chi-square %.2f, %d degrees of freedom, critical value at 0.001: %.2f\n",
+                d == Drafts::point_mass ? "point-mass" : "full-q", chi, df, critical_001(df));
+    EXPECT_LT(chi, critical_001(df)) << "df " << df;
+  }
+}
+
 TEST(SpecDistribution, AcceptingEverythingFailsTheTest) {
   for (Drafts d : {Drafts::point_mass, Drafts::full_q}) {
     const auto [chi, df] = chi_square(d, true, kDraws);
