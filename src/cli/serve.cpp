@@ -154,8 +154,8 @@ int run_serve(ServeArgs& a) {
     // Bad JSON, an unknown field or a bad value is an error naming the field; a method or device not built yet is
     // refused with the rest.
     SpeculativeConfig spec = parse_speculative_config(a.speculative_config);
-    if (spec.method != "ngram")
-      refused.push_back(fmt::format("--speculative-config: method '{}' is not built yet (method ngram is)",
+    if (spec.method == "dspark")
+      refused.push_back(fmt::format("--speculative-config: method '{}' is not built yet (methods ngram and mtp are)",
                                     spec.method));
     else if (device == "cuda")
       refused.push_back("--speculative-config: speculative decoding is not supported with --device cuda yet (it runs "
@@ -176,6 +176,7 @@ int run_serve(ServeArgs& a) {
     std::fprintf(stderr, "[kestrel] --gpu-memory-utilization has no effect on the CPU; the cache takes "
                          "--kv-cache-memory-bytes (%lld)\n", static_cast<long long>(a.kv_cache_memory_bytes));
   o.load = a.load.options(o.engine.max_model_len);
+  o.load.load_mtp = o.engine.speculative && o.engine.speculative->method == "mtp";  // the drafter's own layer
   o.model.latent_cache = parse_kv_cache_dtype(a.kv_cache_dtype, device, "--kv-cache-dtype");
   if (a.index_cache_dtype == "mxfp4") o.model.index_keys = IndexKeyDtype::mxfp4;
   else if (a.index_cache_dtype != "fp8") fail("--index-cache-dtype '{}' is not one of fp8, mxfp4", a.index_cache_dtype);

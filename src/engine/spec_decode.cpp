@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/mtp_drafter.h"
 #include "engine/sequence.h"
 
 namespace kestrel {
@@ -103,7 +104,7 @@ SpeculativeConfig parse_speculative_config(const std::string& text) {
   bool has_min = false, has_max = false;
   std::optional<double> rate, length;
   std::vector<double> rates;
-  KESTREL_CHECK(j.contains("method"), "--speculative-config: 'method' is missing (ngram; mtp and dspark are not "
+  KESTREL_CHECK(j.contains("method"), "--speculative-config: 'method' is missing (ngram or mtp; dspark is not "
                                       "built yet)");
   KESTREL_CHECK(j.contains("num_speculative_tokens"), "--speculative-config: 'num_speculative_tokens' is missing");
   for (const auto& [key, v] : j.items()) {
@@ -171,10 +172,15 @@ void NgramDrafter::propose(const Sequence& s, int max_tokens, int64_t, Draft& ou
   lookup(s.tokens, min_n_, max_n_, max_tokens, out.tokens);
 }
 
-std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c) {
+void Drafter::observe(const Sequence&, int64_t, int64_t, const float*) {
+  fail("this drafter does not take the target's hidden states");
+}
+
+std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c, const Model& target) {
   if (c.method == "ngram") return std::make_unique<NgramDrafter>(c.prompt_lookup_min, c.prompt_lookup_max);
+  if (c.method == "mtp") return std::make_unique<MtpDrafter>(target, c);
   fail("--speculative-config: method '{}' is not built yet (the drafter's model and GPU part come later); use "
-       "method ngram",
+       "method ngram or mtp",
        c.method);
 }
 

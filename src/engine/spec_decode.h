@@ -18,11 +18,11 @@ namespace kestrel {
 
 struct Sequence;
 
-// --speculative-config (vLLM's field names). Only what is built is accepted; mtp and dspark are known methods that
-// are refused when an engine is made (make_drafter) until their drafters are built.
+// --speculative-config (vLLM's field names). Only what is built is accepted; dspark is a known method that is
+// refused when an engine is made (make_drafter) until its drafter is built.
 struct SpeculativeConfig {
   std::string method = "ngram";          // ngram | mtp | dspark
-  std::string model;                     // the drafter's checkpoint (mtp, dspark; unused by ngram)
+  std::string model;                     // the drafter's checkpoint (dspark; ngram and mtp take none)
   int num_speculative_tokens = 0;        // k: drafts per step, 1..kMaxSpeculativeTokens
   int prompt_lookup_min = 5, prompt_lookup_max = 5;  // ngram: the n-gram lengths tried, longest first
   std::string draft_sample_method = "greedy";        // greedy | probabilistic (drafts sampled from q, q verified)
@@ -52,6 +52,14 @@ class Drafter {
   virtual ~Drafter() = default;
   // Proposes at most max_tokens drafts to follow s.tokens (the prompt and the tokens generated so far).
   virtual void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) = 0;
+  // A drafter conditioned on the target's hidden states (MTP) says so; the engine then hands it, after every step,
+  // the final-normed hidden states [n, hidden_size] of the n positions start... of s that the step computed and kept
+  // (rejected drafts' positions left out). A start before what it was given last means the positions from start on
+  // were computed again (preemption, rejected drafts).
+  virtual bool wants_hidden() const { return false; }
+  virtual void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden);
+  // s finished or was aborted: what the drafter keeps for it can go.
+  virtual void release(const Sequence&) {}
 };
 
 // Prompt lookup: the longest n-gram (n from max down to min) ending the sequence that occurred before in it; the
@@ -67,8 +75,11 @@ class NgramDrafter final : public Drafter {
   int min_n_, max_n_;
 };
 
-// The drafter of a config: ngram is built; mtp and dspark are refused (not built yet).
-std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c);
+class Model;
+
+// The drafter of a config for `target`: ngram; mtp (the target's own MTP layer, engine/mtp_drafter.h: the model must
+// have been loaded with it); dspark is refused (not built yet).
+std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c, const Model& target);
 
 struct VerifyOptions {
   bool synthetic = false;                     // rejection_sample_method synthetic

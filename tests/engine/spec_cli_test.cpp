@@ -118,7 +118,7 @@ TEST_F(SpecCli, BadConfigsAreErrorsNamingTheField) {
       {R"({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": true})",
        "'prompt_lookup_min' must be an integer"},
       {R"({"method": "dspark", "num_speculative_tokens": 2, "model": "d"})", "method 'dspark' is not built yet"},
-      {R"({"method": "mtp", "num_speculative_tokens": 1})", "method 'mtp' is not built yet"},
+      {R"({"method": "mtp", "num_speculative_tokens": 1})", "config.json's num_nextn_predict_layers is 0"},
   };
   for (const auto& [cfg, words] : cases) {
     for (const std::string& cmd : std::vector<std::string>{

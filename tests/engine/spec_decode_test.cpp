@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <map>
 #include <numeric>
 #include <random>
 
 #include "core/error.h"
+#include "engine/mtp_drafter.h"
 #include "engine/spec_decode.h"
 #include "tiny_models.h"
 
@@ -662,9 +664,9 @@ TEST(SpecConfig, ParsesAndNamesTheFieldInErrors) {
                "'synthetic_acceptance_rate' 1.5 is not in [0, 1]");
 }
 
-TEST(SpecConfig, MtpAndDsparkAreRefusedAsNotBuilt) {
+TEST(SpecConfig, DsparkIsRefusedAsNotBuilt) {
   const Model& m = tiny_model(Arch::deepseek_v32);
-  for (const char* method : {"mtp", "dspark"}) {
+  for (const char* method : {"dspark"}) {
     EngineConfig cfg;
     cfg.max_model_len = 256;
     cfg.speculative = parse_speculative_config(std::string(R"({"method": ")") + method +
@@ -677,6 +679,161 @@ TEST(SpecConfig, MtpAndDsparkAreRefusedAsNotBuilt) {
       EXPECT_NE(std::string(e.what()).find(method), std::string::npos) << e.what();
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The mtp drafter: DeepSeek-V3.2's own MTP layer (make-model writes one for the tiny deepseek_v32 model).
+
+const Model& tiny_mtp_model() {
+  static const std::unique_ptr<Model> m = [] {
+    LoadOptions lo;
+    lo.load_mtp = true;
+    return load_cpu_model(test::tiny_dir(Arch::deepseek_v32), {}, lo);
+  }();
+  return *m;
+}
+
+SpeculativeConfig mtp_config(int k = kK) {
+  SpeculativeConfig c;
+  c.method = "mtp";
+  c.num_speculative_tokens = k;
+  return c;
+}
+
+// What the MTP layer drafts for `tokens` computed from scratch: the target's hidden states of positions 0..L-2 in
+// one prompt pass, the MTP layer over all of them in a fresh cache, then chained on its own drafts.
+std::vector<int32_t> mtp_drafts_from_scratch(const Model& m, const std::vector<int32_t>& tokens, int k) {
+  const int64_t V = m.config().vocab_size, D = m.config().hidden_size, T = static_cast<int64_t>(tokens.size()) - 1;
+  SequenceState target = m.new_sequence();
+  std::vector<float> logits(static_cast<size_t>(T * V)), hidden(static_cast<size_t>(T * D));
+  m.forward(target, tokens.data(), T, logits.data(), false, 0, hidden.data());
+  SequenceState mtp = m.new_mtp_sequence();
+  std::vector<float> scale(static_cast<size_t>(T), 1.0f), out(static_cast<size_t>(T * D)), lg(static_cast<size_t>(V));
+  scale[0] = 0.0f;
+  m.mtp_forward(mtp, tokens.data() + 1, hidden.data(), scale.data(), T, lg.data(), out.data());
+  std::vector<int32_t> drafts;
+  std::vector<float> h(out.end() - D, out.end());
+  for (int j = 0; j < k; ++j) {
+    drafts.push_back(static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin()));
+    if (j + 1 == k) break;
+    const float one = 1.0f;
+    m.mtp_forward(mtp, &drafts.back(), h.data(), &one, 1, lg.data(), out.data());
+    h.assign(out.begin(), out.begin() + D);
+  }
+  return drafts;
+}
+
+// The engine's MtpDrafter, with every proposal recorded (the tokens it drafted after, and the drafts).
+class RecordingDrafter final : public Drafter {
+ public:
+  RecordingDrafter(const Model& m, const SpeculativeConfig& c) : inner_(m, c) {}
+  bool wants_hidden() const override { return true; }
+  void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) override {
+    inner_.observe(s, start, n, hidden);
+  }
+  void release(const Sequence& s) override { inner_.release(s); }
+  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
+    inner_.propose(s, max_tokens, vocab, out);
+    if (!out.tokens.empty()) records.push_back({s.tokens, out.tokens});
+  }
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> records;
+
+ private:
+  MtpDrafter inner_;
+};
+
+// Greedy output with MTP drafts equals the output without speculation, over two rounds (prefix-cache hits: the MTP
+// cache then starts at the first computed position), and the drafts are the MTP layer's (random weights: nearly
+// every draft is rejected, at the first position or later).
+TEST(SpecMtp, GreedyEqualsGreedyWithoutSpeculation) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = 16;
+  cfg.max_num_batched_tokens = 256;
+  const Outputs plain = run_rounds(m, cfg, 24, test_prompts(), 1.0f);
+  EngineConfig sc = cfg;
+  sc.speculative = mtp_config();
+  const Outputs spec = run_rounds(m, sc, 24, test_prompts(), 1.0f);
+  expect_same(spec, plain);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  EXPECT_GT(spec.stats.spec.num_draft_tokens, spec.stats.spec.num_drafts);
+  EXPECT_GT(spec.stats.prefix.hit_tokens, 0);
+}
+
+// The same under preemption (SpecPressure's pool): recomputed positions roll the MTP cache back.
+TEST(SpecMtp, PreemptedRequestsFinishWithTheSameOutputs) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = 64;
+  cfg.num_rows = static_cast<int32_t>(plan_cache(m.cache_specs(), {.block_size = 64}).rows_per_request(256) + 2);
+  cfg.max_num_batched_tokens = 512;
+  std::vector<std::vector<int32_t>> prompts;
+  const std::vector<int> lengths = {60, 62, 120, 58, 126, 20};
+  for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(random_prompt(lengths[i], 20 + static_cast<uint32_t>(i)));
+  const Outputs plain = run_once(m, cfg, prompts, 30);
+  EngineConfig sc = cfg;
+  sc.speculative = mtp_config();
+  const Outputs spec = run_once(m, sc, prompts, 30);
+  EXPECT_GT(spec.stats.preemptions, 0);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  expect_same(spec, plain);
+}
+
+// Without prefix caching the MTP cache always starts at position 0, so each proposal must be what the MTP layer
+// drafts from scratch for the same tokens: the incremental cache (one position behind the target, chained positions
+// overwritten, rollback after rejections and preemption) changes no draft. Drafts of the real MTP layer are also
+// verified: greedy output unchanged.
+TEST(SpecMtpDrafts, IncrementalDraftsEqualDraftsFromScratch) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 128;
+  cfg.block_size = 16;
+  cfg.enable_prefix_caching = false;
+  cfg.max_num_batched_tokens = 64;
+  cfg.num_rows = static_cast<int32_t>(plan_cache(m.cache_specs(), {.block_size = 16}).rows_per_request(128) + 1);
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < 4; ++i) prompts.push_back(random_prompt(20 + 17 * static_cast<int>(i), 70 + i));
+  const Outputs plain = run_once(m, cfg, prompts, 16);
+  EngineConfig sc = cfg;
+  sc.speculative = mtp_config();
+  auto rec = std::make_shared<RecordingDrafter>(m, *sc.speculative);
+  sc.drafter = rec;
+  const Outputs spec = run_once(m, sc, prompts, 16);
+  expect_same(spec, plain);
+  EXPECT_GT(spec.stats.preemptions, 0);
+  ASSERT_GT(rec->records.size(), 20u);
+  for (const auto& [tokens, drafts] : rec->records)
+    EXPECT_EQ(drafts, mtp_drafts_from_scratch(m, tokens, static_cast<int>(drafts.size())))
+        << "after " << tokens.size() << " tokens";
+}
+
+TEST(SpecMtpDrafts, ModelsWithoutAnMtpLayerAndBadConfigsAreErrors) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& words) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected: " << words;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.speculative = mtp_config();
+  // kimi_k3 checkpoints have no MTP layer: loading it is refused, as is an engine over a model loaded without it.
+  LoadOptions lo;
+  lo.load_mtp = true;
+  expect_error([&] { load_cpu_model(test::tiny_dir(Arch::kimi_k3), {}, lo); },
+               "config.json's num_nextn_predict_layers is 0 (kimi_k3 checkpoints define none)");
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "num_nextn_predict_layers is 0");
+  expect_error([&] { Engine e(tiny_model(Arch::deepseek_v32), cfg); }, "loaded without its MTP layer");
+  EngineConfig c2 = cfg;
+  c2.speculative->model = "elsewhere";
+  expect_error([&] { Engine e(tiny_mtp_model(), c2); }, "'model' is not used by method 'mtp'");
+  c2 = cfg;
+  c2.speculative->draft_sample_method = "probabilistic";
+  expect_error([&] { Engine e(tiny_mtp_model(), c2); }, "'draft_sample_method' 'probabilistic' is not built for method 'mtp'");
 }
 
 }  // namespace
