@@ -154,10 +154,7 @@ int run_serve(ServeArgs& a) {
     // Bad JSON, an unknown field or a bad value is an error naming the field; a method or device not built yet is
     // refused with the rest.
     SpeculativeConfig spec = parse_speculative_config(a.speculative_config);
-    if (spec.method == "dspark")
-      refused.push_back(fmt::format("--speculative-config: method '{}' is not built yet (methods ngram and mtp are)",
-                                    spec.method));
-    else if (device == "cuda")
+    if (device == "cuda")
       refused.push_back("--speculative-config: speculative decoding is not supported with --device cuda yet (it runs "
                         "on the CPU reference: --device cpu)");
     o.engine.speculative = std::move(spec);

@@ -256,8 +256,8 @@ class CpuStep final : public StepOps {
     }
   }
 
-  void copy_out(Act x, float* dst) override {
-    for (int64_t t = 0; t < N_; ++t) std::copy_n(row(x, t), x.cols, dst + t * x.cols);
+  void copy_out(Act x, float* dst, int64_t row_stride) override {
+    for (int64_t t = 0; t < N_; ++t) std::copy_n(row(x, t), x.cols, dst + t * row_stride);
   }
 
  private:

@@ -79,7 +79,9 @@ Engine::Engine(const Model& model, const EngineConfig& cfg)
   if (cfg_.speculative) {
     validate_speculative_config(*cfg_.speculative);
     drafter_ = cfg_.drafter ? cfg_.drafter : make_drafter(*cfg_.speculative, model_);
-    if (drafter_->wants_hidden()) runner_->keep_hidden();
+    const std::vector<int> layers = drafter_->hidden_layers();
+    if (!layers.empty()) runner_->keep_hidden(layers);
+    hidden_width_ = static_cast<int64_t>(layers.size()) * model_.config().hidden_size;
     stats_.spec.accepted_per_pos.assign(static_cast<size_t>(cfg_.speculative->num_speculative_tokens), 0);
   } else {
     KESTREL_CHECK(!cfg_.drafter, "a drafter without a speculative config (num_speculative_tokens)");
@@ -316,13 +318,12 @@ StepOutput Engine::step() {
     }
   }
   scheduler_.commit(plan);
-  if (drafter_ && drafter_->wants_hidden()) {
+  if (hidden_width_ > 0) {
     // The drafter sees the hidden states of the positions the step kept.
     const std::vector<float>& hidden = runner_->hidden();
-    const int64_t D = model_.config().hidden_size;
     int64_t token = 0;
     for (const ScheduledSequence& x : plan.seqs) {
-      drafter_->observe(*x.seq, x.start, x.count - x.rejected, hidden.data() + token * D);
+      drafter_->observe(*x.seq, x.start, x.count - x.rejected, hidden.data() + token * hidden_width_);
       token += x.count;
     }
   }

@@ -51,7 +51,7 @@ void MtpDrafter::observe(const Sequence& s, int64_t start, int64_t n, const floa
 
 void MtpDrafter::release(const Sequence& s) { states_.erase(Key{s.request->id, s.index}); }
 
-void MtpDrafter::propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) {
+void MtpDrafter::propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) {
   out.tokens.clear();
   out.probs.clear();
   const auto it = states_.find(Key{s.request->id, s.index});

@@ -26,12 +26,12 @@ class MtpDrafter final : public Drafter {
   // Error when the target has no MTP layer loaded (naming config.json's num_nextn_predict_layers) or the config asks
   // for what this drafter does not do.
   MtpDrafter(const Model& target, const SpeculativeConfig& c);
-  bool wants_hidden() const override { return true; }
+  std::vector<int> hidden_layers() const override { return {kFinalHidden}; }
   void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) override;
   void release(const Sequence& s) override;
   // Greedy drafts: d_1 from the MTP layer at the last computed position, d_j (j > 1) from the layer run again on
   // d_(j-1) and its own previous output hidden state (vLLM's chaining of one MTP layer).
-  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
 
  private:
   using Key = std::pair<RequestId, int>;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/dspark_drafter.h"
 #include "engine/mtp_drafter.h"
 #include "engine/sequence.h"
 
@@ -104,8 +105,7 @@ SpeculativeConfig parse_speculative_config(const std::string& text) {
   bool has_min = false, has_max = false;
   std::optional<double> rate, length;
   std::vector<double> rates;
-  KESTREL_CHECK(j.contains("method"), "--speculative-config: 'method' is missing (ngram or mtp; dspark is not "
-                                      "built yet)");
+  KESTREL_CHECK(j.contains("method"), "--speculative-config: 'method' is missing (ngram, mtp or dspark)");
   KESTREL_CHECK(j.contains("num_speculative_tokens"), "--speculative-config: 'num_speculative_tokens' is missing");
   for (const auto& [key, v] : j.items()) {
     if (key == "method") c.method = get_string(v, "method");
@@ -167,7 +167,7 @@ void NgramDrafter::lookup(std::span<const int32_t> t, int min_n, int max_n, int 
   }
 }
 
-void NgramDrafter::propose(const Sequence& s, int max_tokens, int64_t, Draft& out) {
+void NgramDrafter::propose(Sequence& s, int max_tokens, int64_t, Draft& out) {
   out.probs.clear();
   lookup(s.tokens, min_n_, max_n_, max_tokens, out.tokens);
 }
@@ -179,9 +179,8 @@ void Drafter::observe(const Sequence&, int64_t, int64_t, const float*) {
 std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c, const Model& target) {
   if (c.method == "ngram") return std::make_unique<NgramDrafter>(c.prompt_lookup_min, c.prompt_lookup_max);
   if (c.method == "mtp") return std::make_unique<MtpDrafter>(target, c);
-  fail("--speculative-config: method '{}' is not built yet (the drafter's model and GPU part come later); use "
-       "method ngram or mtp",
-       c.method);
+  KESTREL_CHECK(c.method == "dspark", "--speculative-config: 'method' '{}' is not one of ngram, mtp, dspark", c.method);
+  return std::make_unique<DsparkDrafter>(target, c);
 }
 
 VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<const int32_t> drafts,

@@ -50,13 +50,15 @@ struct Draft {
 class Drafter {
  public:
   virtual ~Drafter() = default;
-  // Proposes at most max_tokens drafts to follow s.tokens (the prompt and the tokens generated so far).
-  virtual void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) = 0;
-  // A drafter conditioned on the target's hidden states (MTP) says so; the engine then hands it, after every step,
-  // the final-normed hidden states [n, hidden_size] of the n positions start... of s that the step computed and kept
-  // (rejected drafts' positions left out). A start before what it was given last means the positions from start on
-  // were computed again (preemption, rejected drafts).
-  virtual bool wants_hidden() const { return false; }
+  // Proposes at most max_tokens drafts to follow s.tokens (the prompt and the tokens generated so far). A drafter
+  // that samples its drafts draws from s's own random stream (s.sampler), so that a seed reproduces them.
+  virtual void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) = 0;
+  // A drafter conditioned on the target's hidden states (MTP, DSpark) names them (Model::forward's layers: kFinalHidden
+  // or a decoder layer's output; empty: none). The engine then hands it, after every step, those hidden states
+  // [n, layers * hidden_size] of the n positions start... of s that the step computed and kept (rejected drafts'
+  // positions left out). A start before what it was given last means the positions from start on were computed
+  // again (preemption, rejected drafts).
+  virtual std::vector<int> hidden_layers() const { return {}; }
   virtual void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden);
   // s finished or was aborted: what the drafter keeps for it can go.
   virtual void release(const Sequence&) {}
@@ -67,7 +69,7 @@ class Drafter {
 class NgramDrafter final : public Drafter {
  public:
   NgramDrafter(int min_n, int max_n) : min_n_(min_n), max_n_(max_n) {}
-  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
   static void lookup(std::span<const int32_t> tokens, int min_n, int max_n, int max_tokens,
                      std::vector<int32_t>& out);
 

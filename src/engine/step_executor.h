@@ -39,9 +39,9 @@ class StepExecutor {
   // plan order.
   virtual const std::vector<float>& execute(const StepPlan& plan) = 0;
   // Drafters conditioned on the target (engine/spec_decode.h): from now on execute() also keeps every step token's
-  // final-normed hidden state, [step tokens, hidden_size] in plan order, returned by hidden(). Executors that cannot
-  // refuse it (Error).
-  virtual void keep_hidden();
+  // hidden states of `layers` (Model::forward's), [step tokens, layers.size() * hidden_size] in plan order, returned
+  // by hidden(). Executors that cannot refuse it (Error).
+  virtual void keep_hidden(std::vector<int> layers);
   virtual const std::vector<float>& hidden() const;
   // Whether execute_sampled can choose tokens with these parameters.
   virtual bool samples(const SamplingParams&) const { return false; }

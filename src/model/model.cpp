@@ -152,10 +152,19 @@ void Model::decoder_layer(StepOps& b, const DecoderLayer& L, int layer, Act h) c
   b.end_layer(layer);
 }
 
-void Model::graph(StepOps& b, float* hidden) const {
+void Model::graph(StepOps& b, float* hidden, std::span<const int> layers) const {
+  static constexpr int kFinal[1] = {kFinalHidden};
+  if (layers.empty()) layers = kFinal;
+  const int64_t D = cfg_.hidden_size, stride = static_cast<int64_t>(layers.size()) * D;
   const Act h = b.embed(embed_);
-  for (size_t l = 0; l < layers_.size(); ++l) decoder_layer(b, layers_[l], static_cast<int>(l), h);
-  if (hidden) b.copy_out(b.rms_norm(h, final_norm_, cfg_.rms_norm_eps), hidden);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    decoder_layer(b, layers_[l], static_cast<int>(l), h);
+    for (size_t i = 0; hidden && i < layers.size(); ++i)
+      if (layers[i] == static_cast<int>(l)) b.copy_out(h, hidden + static_cast<int64_t>(i) * D, stride);
+  }
+  for (size_t i = 0; hidden && i < layers.size(); ++i)
+    if (layers[i] == kFinalHidden)
+      b.copy_out(b.rms_norm(h, final_norm_, cfg_.rms_norm_eps), hidden + static_cast<int64_t>(i) * D, stride);
   b.logits(h, final_norm_, lm_head_);
 }
 
@@ -242,7 +251,7 @@ void Model::mtp_forward(SequenceState& seq, const int32_t* ids, const float* hid
         b.rms_norm_inplace(x.slice(D, D), m.hnorm, eps);
         const Act h = b.linear(m.eh_proj, x);
         decoder_layer(b, m.block, 0, h);
-        b.copy_out(h, hidden_out);
+        b.copy_out(h, hidden_out, D);
         b.logits(h, m.head_norm, m.head);
       },
       StepResults{logits, {}, nullptr});
@@ -283,9 +292,13 @@ void Model::check_step(const StepBatch& batch) const {
   }
 }
 
-void Model::forward(const StepBatch& batch, float* logits, float* hidden) const {
+void Model::forward(const StepBatch& batch, float* logits, float* hidden, std::span<const int> layers) const {
   check_step(batch);
-  backend_->run_step(batch, [this, hidden](StepOps& ops) { graph(ops, hidden); }, StepResults{logits, {}, nullptr});
+  for (int l : layers)
+    KESTREL_CHECK(l == kFinalHidden || (l >= 0 && l < static_cast<int>(layers_.size())),
+                  "hidden states of layer {} asked for, the model has {} layers", l, layers_.size());
+  backend_->run_step(batch, [this, hidden, layers](StepOps& ops) { graph(ops, hidden, layers); },
+                     StepResults{logits, {}, nullptr});
 }
 
 void Model::forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows,
@@ -321,7 +334,7 @@ uint64_t Model::lora_key(int32_t id) const {
 
 Act StepOps::host_rows(std::span<const float>, int64_t) { fail("this backend does not run drafters (host rows)"); }
 void StepOps::scale_rows(Act, std::span<const float>) { fail("this backend does not run drafters (row scaling)"); }
-void StepOps::copy_out(Act, float*) { fail("this backend does not run drafters (hidden states)"); }
+void StepOps::copy_out(Act, float*, int64_t) { fail("this backend does not run drafters (hidden states)"); }
 
 void Backend::load_lora(int32_t id, const LoraAdapter&) {
   fail("the {} backend does not run LoRA adapters (adapter {})", name(), id);

@@ -20,7 +20,10 @@
 
 namespace kestrel {
 
-class MlaStepRunner;  // src/cpu/mla_core.h: the CPU backend's hook for running MLA attention over several ranks
+class MlaStepRunner;
+
+// Model::forward's hidden-state entry for the final-normed state (the LM head's input).
+inline constexpr int kFinalHidden = -1;  // src/cpu/mla_core.h: the CPU backend's hook for running MLA attention over several ranks
 
 struct ModelOptions {
   LatentCacheDtype latent_cache = LatentCacheDtype::auto_fp32;
@@ -152,13 +155,14 @@ class Model {
 
   // Runs one step of several requests together. logits: [sum of wanted positions, vocab], requests in order. The
   // result for a request does not depend on the others in the batch (on the CPU backend bit for bit).
-  // hidden: when set, every step token's final-normed hidden state [step tokens, hidden_size] (the drafters' input;
-  // the CPU backend only).
-  void forward(const StepBatch& batch, float* logits, float* hidden = nullptr) const;
+  // hidden: when set, every step token's hidden states [step tokens, layers.size() * hidden_size] (the drafters'
+  // input; the CPU backend only): for each entry l of `layers` the residual stream after decoder layer l, or for
+  // kFinalHidden the final-normed state the LM head takes; no layers: kFinalHidden alone.
+  void forward(const StepBatch& batch, float* logits, float* hidden = nullptr, std::span<const int> layers = {}) const;
   // The same step with the backend choosing each wanted row's token (Backend::samples_rows).
   void forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out) const;
   // The graph of one step over a backend's ops: what forward() hands the backend.
-  void graph(StepOps& ops, float* hidden = nullptr) const;
+  void graph(StepOps& ops, float* hidden = nullptr, std::span<const int> layers = {}) const;
 
   // The MTP layer (LoadOptions::load_mtp), run by the `mtp` drafter over a cache of its own: one MLA layer's rows per
   // sequence, laid out by mtp_plan() (a SequenceState apart from the engine's pool).

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <cstdio>
 #include <map>
@@ -12,8 +15,11 @@
 #include <random>
 
 #include "core/error.h"
+#include "engine/dspark_drafter.h"
 #include "engine/mtp_drafter.h"
 #include "engine/spec_decode.h"
+#include "model/dspark.h"
+#include "model/safetensors.h"
 #include "tiny_models.h"
 
 namespace kestrel {
@@ -33,7 +39,7 @@ class OracleDrafter final : public Drafter {
  public:
   OracleDrafter(std::map<std::vector<int32_t>, std::vector<int32_t>> refs, int k, bool all_wrong)
       : refs_(std::move(refs)), k_(k), all_wrong_(all_wrong) {}
-  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
     out.tokens.clear();
     const auto it = refs_.find(s.request->prompt);
     if (it == refs_.end()) return;
@@ -664,23 +670,6 @@ TEST(SpecConfig, ParsesAndNamesTheFieldInErrors) {
                "'synthetic_acceptance_rate' 1.5 is not in [0, 1]");
 }
 
-TEST(SpecConfig, DsparkIsRefusedAsNotBuilt) {
-  const Model& m = tiny_model(Arch::deepseek_v32);
-  for (const char* method : {"dspark"}) {
-    EngineConfig cfg;
-    cfg.max_model_len = 256;
-    cfg.speculative = parse_speculative_config(std::string(R"({"method": ")") + method +
-                                               R"(", "num_speculative_tokens": 2, "model": "x"})");
-    try {
-      Engine e(m, cfg);
-      ADD_FAILURE() << method << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("not built yet"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(method), std::string::npos) << e.what();
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // The mtp drafter: DeepSeek-V3.2's own MTP layer (make-model writes one for the tiny deepseek_v32 model).
 
@@ -727,12 +716,12 @@ std::vector<int32_t> mtp_drafts_from_scratch(const Model& m, const std::vector<i
 class RecordingDrafter final : public Drafter {
  public:
   RecordingDrafter(const Model& m, const SpeculativeConfig& c) : inner_(m, c) {}
-  bool wants_hidden() const override { return true; }
+  std::vector<int> hidden_layers() const override { return {kFinalHidden}; }
   void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) override {
     inner_.observe(s, start, n, hidden);
   }
   void release(const Sequence& s) override { inner_.release(s); }
-  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
     inner_.propose(s, max_tokens, vocab, out);
     if (!out.tokens.empty()) records.push_back({s.tokens, out.tokens});
   }
@@ -834,6 +823,248 @@ TEST(SpecMtpDrafts, ModelsWithoutAnMtpLayerAndBadConfigsAreErrors) {
   c2 = cfg;
   c2.speculative->draft_sample_method = "probabilistic";
   expect_error([&] { Engine e(tiny_mtp_model(), c2); }, "'draft_sample_method' 'probabilistic' is not built for method 'mtp'");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The dspark drafter: a make-model DSpark drafter over each tiny model's last layers.
+
+std::string tiny_dspark_dir(Arch arch) {
+  static test::TempDirs made;
+  static std::map<Arch, std::string> dirs;
+  auto& d = dirs[arch];
+  if (d.empty()) {
+    d = std::filesystem::temp_directory_path() /
+        ("kestrel_dspark_test_" + std::string(arch_name(arch)) + "_" + std::to_string(::getpid()));
+    write_dspark_drafter(d, test::tiny_dir(arch), 11, 4);
+    made.dirs.push_back(d);
+  }
+  return d;
+}
+
+SpeculativeConfig dspark_config(Arch arch, const std::string& sample = "greedy", int k = kK) {
+  SpeculativeConfig c;
+  c.method = "dspark";
+  c.model = tiny_dspark_dir(arch);
+  c.num_speculative_tokens = k;
+  c.draft_sample_method = sample;
+  return c;
+}
+
+class SpecDspark : public ::testing::TestWithParam<std::tuple<Arch, bool>> {};
+
+// Greedy output with DSpark drafts (greedy and probabilistic draft sampling) equals the output without speculation,
+// over two rounds (prefix-cache hits) and under preemption (SpecPressure's pool).
+TEST_P(SpecDspark, GreedyEqualsGreedyWithoutSpeculation) {
+  const auto [arch, chunked] = GetParam();
+  ModelOptions o;
+  o.kda_chunked_prefill = chunked;
+  const Model& m = tiny_model(arch, o);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = chunked ? 64 : 16;
+  cfg.max_num_batched_tokens = 256;
+  const Outputs plain = run_rounds(m, cfg, 24, test_prompts(), 1.0f);
+  for (const char* sample : {"greedy", "probabilistic"}) {
+    EngineConfig sc = cfg;
+    sc.speculative = dspark_config(arch, sample);
+    const Outputs spec = run_rounds(m, sc, 24, test_prompts(), 1.0f);
+    expect_same(spec, plain);
+    EXPECT_GT(spec.stats.spec.num_drafts, 0) << sample;
+    EXPECT_GT(spec.stats.spec.num_draft_tokens, spec.stats.spec.num_drafts) << sample;  // blocks of several drafts
+    EXPECT_GT(spec.stats.prefix.hit_tokens, 0);
+  }
+}
+
+TEST_P(SpecDspark, PreemptedRequestsFinishWithTheSameOutputs) {
+  const auto [arch, chunked] = GetParam();
+  ModelOptions o;
+  o.kda_chunked_prefill = chunked;
+  const Model& m = tiny_model(arch, o);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = 64;
+  cfg.num_rows = static_cast<int32_t>(plan_cache(m.cache_specs(), {.block_size = 64}).rows_per_request(256) + 2);
+  cfg.max_num_batched_tokens = 512;
+  std::vector<std::vector<int32_t>> prompts;
+  const std::vector<int> lengths = {60, 62, 120, 58, 126, 20};
+  for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(random_prompt(lengths[i], 20 + static_cast<uint32_t>(i)));
+  const Outputs plain = run_once(m, cfg, prompts, 30);
+  EngineConfig sc = cfg;
+  sc.speculative = dspark_config(arch);
+  const Outputs spec = run_once(m, sc, prompts, 30);
+  EXPECT_GT(spec.stats.preemptions, 0);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  expect_same(spec, plain);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, SpecDspark,
+                         ::testing::Combine(::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(arch_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_chunked" : "_recurrent");
+                         });
+
+// Seeded sampled requests with probabilistic DSpark drafts repeat exactly (the drafts draw from each request's own
+// stream), and speculation accepted some of them.
+TEST(SpecDsparkSampling, SeededRunsRepeat) {
+  const Model& m = tiny_model(Arch::kimi_k3);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.speculative = dspark_config(Arch::kimi_k3, "probabilistic");
+  auto run = [&] {
+    Engine e(m, cfg);
+    for (uint32_t i = 0; i < 3; ++i) {
+      SamplingParams p;
+      p.temperature = 1.0f;
+      p.top_p = 0.95f;
+      p.seed = 7 + i;
+      p.max_tokens = 20;
+      e.add_request(random_prompt(30, 80 + i), p);
+    }
+    std::vector<std::vector<int32_t>> out;
+    for (const RequestOutput& r : run_checked(e)) out.push_back(r.completions.at(0).token_ids);
+    return std::make_pair(out, e.stats().spec);
+  };
+  const auto [a, sa] = run();
+  const auto [b, sb] = run();
+  EXPECT_EQ(a, b);
+  EXPECT_GT(sa.num_drafts, 0);
+  EXPECT_EQ(sa.num_accepted_tokens, sb.num_accepted_tokens);
+}
+
+// The output distribution with probabilistic DSpark drafts: a drafter of the 6-token vocabulary, its blocks drawn
+// by dspark_draft (Markov head, q at temperature 1 and top-p 0.95, the request's stream), verified against the fixed
+// target table: the first two tokens' joint distribution passes the chi-square test.
+TEST(SpecDistribution, DsparkProbabilisticDraftsMatchTheTarget) {
+  DsparkConfig c;
+  c.vocab_size = kV;
+  c.hidden_size = 8;
+  c.intermediate_size = 16;
+  c.num_attention_heads = 2;
+  c.head_dim = 4;
+  c.block_size = 3;
+  c.markov_rank = 4;
+  c.target_layer_ids = {0};
+  c.noise_token_id = kV - 1;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto f32 = [&](int64_t rows, int64_t cols) {
+    TensorData t{DType::F32, {rows, cols}, std::vector<uint8_t>(static_cast<size_t>(rows * cols * 4))};
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float x = nd(rng);
+      std::memcpy(t.bytes.data() + 4 * i, &x, 4);
+    }
+    return t;
+  };
+  const std::string dir = std::filesystem::temp_directory_path() / ("kestrel_dspark_v6_" + std::to_string(::getpid()));
+  write_dspark_drafter(dir, c, f32(kV, 8), f32(kV, 8), 3);
+  const std::unique_ptr<DsparkModel> m = DsparkModel::load(dir);
+  std::filesystem::remove_all(dir);
+  std::vector<float> hidden(8);
+  for (float& x : hidden) x = nd(rng);
+  std::vector<std::vector<float>> k, v;
+  m->context(hidden.data(), 1, 0, k, v);
+  auto two_tokens = [&](uint64_t seed) {
+    SamplingParams sp;
+    sp.temperature = 1.0f;
+    sp.top_p = 0.95f;
+    sp.seed = seed;
+    sp.max_tokens = 100;
+    const std::vector<int32_t> prompt = {0};
+    Sampler sampler(sp, prompt);
+    std::vector<int32_t> out;
+    int32_t prev = 0;
+    std::vector<float> base(static_cast<size_t>(3 * kV));
+    Draft d;
+    while (out.size() < 2) {
+      const std::vector<int32_t> ids = {prev, kV - 1, kV - 1};
+      m->block_logits(ids.data(), 1 + static_cast<int64_t>(out.size()), k, v, 1, base.data());
+      dspark_draft(*m, base.data(), kV, prev, 3, true, sp, sampler, d);
+      EXPECT_EQ(d.probs.size(), static_cast<size_t>(3 * kV));
+      std::vector<float> logits;
+      int ctx = prev;
+      for (int i = 0; i <= 3; ++i) {
+        const std::vector<float> l = target_logits(ctx);
+        logits.insert(logits.end(), l.begin(), l.end());
+        if (i < 3) ctx = d.tokens[i];
+      }
+      const VerifyResult r = verify_draft(sampler, logits.data(), kV, d.tokens, d.probs, false);
+      out.insert(out.end(), r.tokens.begin(), r.tokens.end());
+      prev = out.back();
+    }
+    return std::make_pair(out[0], out[1]);
+  };
+  std::vector<int64_t> counts(kV * kV, 0);
+  for (int i = 0; i < kDraws; ++i) {
+    const auto [a, b] = two_tokens(5000 + static_cast<uint64_t>(i));
+    ++counts[a * kV + b];
+  }
+  const std::vector<double> p0 = target_probs(0, 0.95);
+  double chi = 0.0;
+  int cells = 0;
+  for (int a = 0; a < kV; ++a) {
+    const std::vector<double> p1 = target_probs(a, 0.95);
+    for (int b = 0; b < kV; ++b) {
+      const double e = kDraws * p0[a] * p1[b];
+      const double n = static_cast<double>(counts[a * kV + b]);
+      if (e == 0.0) {
+        EXPECT_EQ(n, 0.0) << "a token outside the target's top-p set: " << a << " " << b;
+        continue;
+      }
+      chi += (n - e) * (n - e) / e;
+      ++cells;
+    }
+  }
+  std::printf("DSpark chi-square %.2f, %d degrees of freedom, critical value at 0.001: %.2f\n", chi, cells - 1,
+              critical_001(cells - 1));
+  EXPECT_GE(cells - 1, 3);
+  EXPECT_LT(chi, critical_001(cells - 1));
+}
+
+TEST(SpecDsparkConfig, MismatchedDraftersAndBadConfigsAreErrorsNamingTheField) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& words) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected: " << words;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  // A drafter made for kimi_k3's 6 layers (it reads layers 3..5) on deepseek_v32's 3.
+  cfg.speculative = dspark_config(Arch::kimi_k3);
+  expect_error([&] { Engine e(tiny_model(Arch::deepseek_v32), cfg); }, "'dspark_target_layer_ids' names layer 3");
+  // A vocabulary that is not the target's.
+  const std::string dir = std::filesystem::temp_directory_path() / ("kestrel_dspark_bad_" + std::to_string(::getpid()));
+  std::filesystem::copy(tiny_dspark_dir(Arch::kimi_k3), dir, std::filesystem::copy_options::recursive);
+  auto edit = [&](const std::function<void(nlohmann::json&)>& f) {
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(tiny_dspark_dir(Arch::kimi_k3) + "/config.json"));
+    f(j);
+    std::ofstream(dir + "/config.json") << j.dump();
+  };
+  cfg.speculative->model = dir;
+  edit([](nlohmann::json& j) {
+    j["vocab_size"] = 4000;
+    j["dspark_noise_token_id"] = 0;
+  });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "'vocab_size' 4000 does not match the target's vocabulary of 4096");
+  edit([](nlohmann::json& j) { j.erase("dspark_markov_rank"); });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "missing field 'dspark_markov_rank'");
+  edit([](nlohmann::json& j) { j["model_type"] = "kimi_k3"; });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "field 'model_type' must be \"dspark\"");
+  edit([](nlohmann::json& j) { j["dspark_noise_token_id"] = 5000; });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "'dspark_noise_token_id' 5000 is outside the vocabulary");
+  std::filesystem::remove_all(dir);
+  cfg.speculative = dspark_config(Arch::kimi_k3, "greedy", 5);
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); },
+               "'num_speculative_tokens' 5 is beyond the DSpark drafter's dspark_block_size 4");
+  cfg.speculative = dspark_config(Arch::kimi_k3);
+  cfg.speculative->model = "";
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "method 'dspark' needs 'model'");
+  cfg.speculative->model = "/nonexistent/drafter";
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "cannot open /nonexistent/drafter/config.json");
 }
 
 }  // namespace
