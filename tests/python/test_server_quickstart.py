@@ -128,3 +128,25 @@ def test_bad_speculative_configs_are_errors_naming_the_field(scripted_dir, cfg, 
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert words in r.stderr, r.stderr
+
+
+def test_mtp_through_the_server_equals_without_speculation(tmp_path):
+    """DeepSeek-V3.2's own MTP layer (make-model writes it for deepseek_v32) through `kestrel serve`: greedy text and
+    log-probabilities as without speculation, drafts counted."""
+    d = tmp_path / "ds"
+    subprocess.run([h.kestrel_bin(), "make-model", "--arch", "deepseek_v32", "--preset", "tiny", "--out", str(d)],
+                   check=True, capture_output=True, timeout=120)
+    plain = h.Server(d)
+    spec = h.Server(d, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    try:
+        for prompt in ([5, 6, 7, 8, 9], list(range(30, 60))):
+            kw = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0, logprobs=1,
+                      extra_body={"ignore_eos": True})
+            a = plain.client().completions.create(**kw).choices[0]
+            b = spec.client().completions.create(**kw).choices[0]
+            assert (b.text, b.logprobs.token_logprobs) == (a.text, a.logprobs.token_logprobs)
+        m = spec.wait_idle()
+        assert m["kestrel:spec_decode_num_drafts_total"] > 0
+    finally:
+        assert plain.stop() == 0
+        assert spec.stop() == 0
