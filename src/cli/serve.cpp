@@ -151,8 +151,8 @@ int run_serve(ServeArgs& a) {
                                   "the server yet (it runs on simulated ranks only)",
                                   a.decode_context_parallel_size));
   if (!a.speculative_config.empty()) {
-    // Bad JSON, an unknown field or a bad value is an error naming the field; a method or device not built yet is
-    // refused with the rest.
+    // Bad JSON, an unknown field or a bad value is an error naming the field; a device not built yet is refused with
+    // the rest (a drafter that does not fit the model is an error when the engine is made).
     SpeculativeConfig spec = parse_speculative_config(a.speculative_config);
     if (device == "cuda")
       refused.push_back("--speculative-config: speculative decoding is not supported with --device cuda yet (it runs "
