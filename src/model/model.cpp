@@ -341,7 +341,7 @@ void Backend::load_lora(int32_t id, const LoraAdapter&) {
 }
 
 void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only,
-                    int32_t lora, float* hidden) const {
+                    int32_t lora, float* hidden, std::span<const int> layers) const {
   KESTREL_CHECK(T > 0, "forward needs at least one token");
   const CachePlan& plan = sequence_plan_;
   const int64_t B = plan.block_size, S = plan.state_rows_per_request, end = seq.num_tokens + T;
@@ -357,7 +357,7 @@ void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* lo
   }
   const SequenceStep step{std::span(ids, T), seq.num_tokens, T > 1, block_table, slots, state_rows, {},
                           last_only ? T - 1 : 0, lora};
-  forward(StepBatch{seq.rows.data(), &plan, std::span(&step, 1)}, logits, hidden);
+  forward(StepBatch{seq.rows.data(), &plan, std::span(&step, 1)}, logits, hidden, layers);
   seq.num_tokens = end;
 }
 

@@ -179,9 +179,9 @@ class Model {
   // Feeds T tokens at positions seq.num_tokens...; a call with T > 1 is a prompt, a single token a generated one.
   // Writes logits [T, vocab] for every position, or only for the last one (logits [1, vocab]) when last_only.
   // With lora != 0, through that adapter.
-  // hidden: as forward(StepBatch)'s, [T, hidden_size].
+  // hidden, layers: as forward(StepBatch)'s, [T, layers * hidden_size].
   void forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only = false,
-               int32_t lora = 0, float* hidden = nullptr) const;
+               int32_t lora = 0, float* hidden = nullptr, std::span<const int> layers = {}) const;
 
   // LoRA adapters, by id > 0 (a request's SamplingParams::lora_id): load_lora hands the adapter to the backend (which
   // checks it against the layers) and replaces the weights an id had (the RL weight sync between steps).

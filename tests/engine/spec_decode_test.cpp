@@ -712,23 +712,28 @@ std::vector<int32_t> mtp_drafts_from_scratch(const Model& m, const std::vector<i
   return drafts;
 }
 
-// The engine's MtpDrafter, with every proposal recorded (the tokens it drafted after, and the drafts).
+// A drafter of the engine's (MTP, DSpark) with every proposal recorded (the tokens it drafted after, and the
+// drafts); with an oracle, the oracle's drafts are verified instead (rejections at every position in turn, full
+// acceptances too), while the drafter still follows every kept position: its rollback is exercised at every depth.
 class RecordingDrafter final : public Drafter {
  public:
-  RecordingDrafter(const Model& m, const SpeculativeConfig& c) : inner_(m, c) {}
-  std::vector<int> hidden_layers() const override { return {kFinalHidden}; }
+  RecordingDrafter(std::unique_ptr<Drafter> inner, std::shared_ptr<Drafter> oracle = nullptr)
+      : inner_(std::move(inner)), oracle_(std::move(oracle)) {}
+  std::vector<int> hidden_layers() const override { return inner_->hidden_layers(); }
   void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) override {
-    inner_.observe(s, start, n, hidden);
+    inner_->observe(s, start, n, hidden);
   }
-  void release(const Sequence& s) override { inner_.release(s); }
+  void release(const Sequence& s) override { inner_->release(s); }
   void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
-    inner_.propose(s, max_tokens, vocab, out);
+    inner_->propose(s, max_tokens, vocab, out);
     if (!out.tokens.empty()) records.push_back({s.tokens, out.tokens});
+    if (oracle_) oracle_->propose(s, max_tokens, vocab, out);
   }
   std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> records;
 
  private:
-  MtpDrafter inner_;
+  std::unique_ptr<Drafter> inner_;
+  std::shared_ptr<Drafter> oracle_;
 };
 
 // Greedy output with MTP drafts equals the output without speculation, over two rounds (prefix-cache hits: the MTP
@@ -785,17 +790,21 @@ TEST(SpecMtpDrafts, IncrementalDraftsEqualDraftsFromScratch) {
   std::vector<std::vector<int32_t>> prompts;
   for (uint32_t i = 0; i < 4; ++i) prompts.push_back(random_prompt(20 + 17 * static_cast<int>(i), 70 + i));
   const Outputs plain = run_once(m, cfg, prompts, 16);
-  EngineConfig sc = cfg;
-  sc.speculative = mtp_config();
-  auto rec = std::make_shared<RecordingDrafter>(m, *sc.speculative);
-  sc.drafter = rec;
-  const Outputs spec = run_once(m, sc, prompts, 16);
-  expect_same(spec, plain);
-  EXPECT_GT(spec.stats.preemptions, 0);
-  ASSERT_GT(rec->records.size(), 20u);
-  for (const auto& [tokens, drafts] : rec->records)
-    EXPECT_EQ(drafts, mtp_drafts_from_scratch(m, tokens, static_cast<int>(drafts.size())))
-        << "after " << tokens.size() << " tokens";
+  for (const bool oracle : {false, true}) {
+    EngineConfig sc = cfg;
+    sc.speculative = mtp_config();
+    auto rec = std::make_shared<RecordingDrafter>(std::make_unique<MtpDrafter>(m, *sc.speculative),
+                                                  oracle ? drafter_for(DrafterKind::oracle, plain) : nullptr);
+    sc.drafter = rec;
+    const Outputs spec = run_once(m, sc, prompts, 16);
+    expect_same(spec, plain);
+    EXPECT_GT(spec.stats.preemptions, 0);
+    if (oracle) expect_spec_counters(spec.stats, DrafterKind::oracle);  // accepted at every position, rejected too
+    ASSERT_GT(rec->records.size(), 20u);
+    for (const auto& [tokens, drafts] : rec->records)
+      EXPECT_EQ(drafts, mtp_drafts_from_scratch(m, tokens, static_cast<int>(drafts.size())))
+          << "after " << tokens.size() << " tokens";
+  }
 }
 
 TEST(SpecMtpDrafts, ModelsWithoutAnMtpLayerAndBadConfigsAreErrors) {
@@ -1020,6 +1029,70 @@ TEST(SpecDistribution, DsparkProbabilisticDraftsMatchTheTarget) {
               critical_001(cells - 1));
   EXPECT_GE(cells - 1, 3);
   EXPECT_LT(chi, critical_001(cells - 1));
+}
+
+// What the DSpark drafter drafts (greedy) for `tokens` from scratch: the target's hidden states of the drafter's
+// layers for positions 0..L-2 in one pass, the whole context, one block.
+std::vector<int32_t> dspark_drafts_from_scratch(const Model& m, const DsparkModel& d, const std::vector<int32_t>& tokens,
+                                                int k) {
+  const DsparkConfig& c = d.config();
+  const int64_t V = m.config().vocab_size, D = m.config().hidden_size, T = static_cast<int64_t>(tokens.size()) - 1;
+  const int64_t nL = static_cast<int64_t>(c.target_layer_ids.size());
+  SequenceState target = m.new_sequence();
+  std::vector<float> logits(static_cast<size_t>(T * V)), hidden(static_cast<size_t>(T * nL * D));
+  m.forward(target, tokens.data(), T, logits.data(), false, 0, hidden.data(), c.target_layer_ids);
+  std::vector<std::vector<float>> kc, vc;
+  d.context(hidden.data(), T, 0, kc, vc);
+  std::vector<int32_t> ids(static_cast<size_t>(c.block_size), c.noise_token_id);
+  ids[0] = tokens.back();
+  std::vector<float> base(static_cast<size_t>(c.block_size * V));
+  d.block_logits(ids.data(), T, kc, vc, T, base.data());
+  SamplingParams p;
+  Sampler unused(p, tokens);
+  Draft out;
+  dspark_draft(d, base.data(), V, tokens.back(), k, false, p, unused, out);
+  return out.tokens;
+}
+
+// Without prefix caching (and with KDA's recurrence everywhere, so that any split of a sequence gives the same
+// hidden states), each DSpark proposal is what the drafter drafts from scratch for the same tokens: its context
+// cache (extended by every step's kept positions, rolled back after rejections at every depth and after preemption)
+// changes no draft.
+TEST_P(SpecDspark, IncrementalDraftsEqualDraftsFromScratch) {
+  const auto [arch, chunked] = GetParam();
+  if (chunked) GTEST_SKIP() << "chunked KDA prefill gives a one-pass recomputation other bits";
+  ModelOptions o;
+  o.kda_chunked_prefill = false;
+  const Model& m = tiny_model(arch, o);
+  const std::unique_ptr<DsparkModel> d = DsparkModel::load(tiny_dspark_dir(arch));
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < 4; ++i) prompts.push_back(random_prompt(20 + 17 * static_cast<int>(i), 70 + i));
+  const CachePlan plan = plan_cache(m.cache_specs(), {.block_size = 16});
+  // A pool with room for the KDA state slots of full blocks of drafts (acceptance at every depth), and one too
+  // small for every sequence at once (preemption; drafts cut where slots are missing).
+  for (const bool tight : {false, true}) {
+    EngineConfig cfg;
+    cfg.max_model_len = 128;
+    cfg.block_size = 16;
+    cfg.enable_prefix_caching = false;
+    cfg.max_num_batched_tokens = 64;
+    cfg.num_rows = static_cast<int32_t>(plan.rows_per_request(128) +
+                                        (tight ? 1 : 4 * kK * plan.state_rows_per_request + 4));
+    const Outputs plain = run_once(m, cfg, prompts, 16);
+    EngineConfig sc = cfg;
+    sc.speculative = dspark_config(arch);
+    auto rec = std::make_shared<RecordingDrafter>(std::make_unique<DsparkDrafter>(m, *sc.speculative),
+                                                  drafter_for(DrafterKind::oracle, plain));
+    sc.drafter = rec;
+    const Outputs spec = run_once(m, sc, prompts, 16);
+    expect_same(spec, plain);
+    if (tight) EXPECT_GT(spec.stats.preemptions, 0);
+    else expect_spec_counters(spec.stats, DrafterKind::oracle);
+    ASSERT_GT(rec->records.size(), 20u);
+    for (const auto& [tokens, drafts] : rec->records)
+      EXPECT_EQ(drafts, dspark_drafts_from_scratch(m, *d, tokens, static_cast<int>(drafts.size())))
+          << "after " << tokens.size() << " tokens" << (tight ? " (tight pool)" : "");
+  }
 }
 
 TEST(SpecDsparkConfig, MismatchedDraftersAndBadConfigsAreErrorsNamingTheField) {
