@@ -58,25 +58,13 @@ void dspark_draft(const DsparkModel& m, float* base, int64_t vocab, int32_t prev
                   const SamplingParams& params, Sampler& sampler, Draft& out) {
   out.tokens.clear();
   out.probs.clear();
-  SamplingParams dp = params;  // the draft distribution: temperature, top-k, top-p, min-p; no penalties
-  dp.presence_penalty = dp.frequency_penalty = 0.0f;
-  dp.repetition_penalty = 1.0f;
   SamplingCandidates cand;
   if (sample) out.probs.assign(static_cast<size_t>(k * vocab), 0.0f);
   for (int i = 0; i < k; ++i) {
     float* logits = base + i * vocab;
     m.add_markov_bias(prev, logits);
-    int32_t tok;
-    if (sample) {
-      sampling_candidates(dp, logits, vocab, {}, {}, cand);
-      tok = draw_candidate(cand, sampler.draw_uniform_always());
-      float* q = out.probs.data() + i * vocab;
-      for (int64_t j = 0; j < cand.keep; ++j) q[cand.order[j]] = static_cast<float>(cand.prob[j] / cand.mass);
-    } else {
-      tok = static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
-    }
-    out.tokens.push_back(tok);
-    prev = tok;
+    prev = choose_draft(logits, vocab, sample, params, sampler, sample ? out.probs.data() + i * vocab : nullptr, cand);
+    out.tokens.push_back(prev);
   }
 }
 

@@ -16,10 +16,8 @@ MtpDrafter::MtpDrafter(const Model& target, const SpeculativeConfig& c) : model_
                                   "(LoadOptions::load_mtp)");
   KESTREL_CHECK(c.model.empty(), "--speculative-config: 'model' is not used by method 'mtp' (the MTP layer is the "
                                  "target checkpoint's own), got '{}'", c.model);
-  KESTREL_CHECK(c.draft_sample_method == "greedy",
-                "--speculative-config: 'draft_sample_method' '{}' is not built for method 'mtp' (greedy is)",
-                c.draft_sample_method);
   D_ = cfg.hidden_size;
+  probabilistic_ = c.draft_sample_method == "probabilistic";
 }
 
 void MtpDrafter::observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) {
@@ -72,17 +70,21 @@ void MtpDrafter::propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out)
   logits_.resize(static_cast<size_t>(vocab));
   hidden_out_.resize(static_cast<size_t>(T * D_));
   model_.mtp_forward(st.cache, ids.data(), st.pending.data(), scale.data(), T, logits_.data(), hidden_out_.data());
-  auto argmax = [&] {
-    return static_cast<int32_t>(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
+  const bool sample = probabilistic_ && s.request->params.temperature != 0.0f;
+  SamplingCandidates cand;
+  auto choose = [&] {
+    if (sample) out.probs.resize(out.probs.size() + static_cast<size_t>(vocab));
+    return choose_draft(logits_.data(), vocab, sample, s.request->params, s.sampler,
+                        sample ? out.probs.data() + out.probs.size() - vocab : nullptr, cand);
   };
-  out.tokens.push_back(argmax());
+  out.tokens.push_back(choose());
   std::vector<float> h(hidden_out_.end() - D_, hidden_out_.end());
   const float one = 1.0f;
   for (int j = 1; j < max_tokens; ++j) {
     const int32_t id = out.tokens.back();
     hidden_out_.resize(static_cast<size_t>(D_));
     model_.mtp_forward(st.cache, &id, h.data(), &one, 1, logits_.data(), hidden_out_.data());
-    out.tokens.push_back(argmax());
+    out.tokens.push_back(choose());
     h.assign(hidden_out_.begin(), hidden_out_.end());
   }
   // The cache keeps the real positions before `last`; `last` is fed again next time with what follows (so that a

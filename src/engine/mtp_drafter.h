@@ -29,8 +29,9 @@ class MtpDrafter final : public Drafter {
   std::vector<int> hidden_layers() const override { return {kFinalHidden}; }
   void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) override;
   void release(const Sequence& s) override;
-  // Greedy drafts: d_1 from the MTP layer at the last computed position, d_j (j > 1) from the layer run again on
-  // d_(j-1) and its own previous output hidden state (vLLM's chaining of one MTP layer).
+  // d_1 from the MTP layer at the last computed position, d_j (j > 1) from the layer run again on d_(j-1) and its own
+  // previous output hidden state (vLLM's chaining of one MTP layer); each the argmax, or with draft_sample_method
+  // probabilistic and a temperature > 0 drawn from q (choose_draft).
   void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
 
  private:
@@ -43,6 +44,7 @@ class MtpDrafter final : public Drafter {
   };
   const Model& model_;
   int64_t D_;
+  bool probabilistic_ = false;
   std::map<Key, State> states_;
   std::vector<float> logits_, hidden_out_;
 };

@@ -172,6 +172,19 @@ void NgramDrafter::propose(Sequence& s, int max_tokens, int64_t, Draft& out) {
   lookup(s.tokens, min_n_, max_n_, max_tokens, out.tokens);
 }
 
+int32_t choose_draft(const float* logits, int64_t vocab, bool sample, const SamplingParams& params, Sampler& sampler,
+                     float* q_row, SamplingCandidates& cand) {
+  if (!sample) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  SamplingParams dp = params;
+  dp.presence_penalty = dp.frequency_penalty = 0.0f;
+  dp.repetition_penalty = 1.0f;
+  sampling_candidates(dp, logits, vocab, {}, {}, cand);
+  const int32_t tok = draw_candidate(cand, sampler.draw_uniform_always());
+  std::fill_n(q_row, vocab, 0.0f);
+  for (int64_t j = 0; j < cand.keep; ++j) q_row[cand.order[j]] = static_cast<float>(cand.prob[j] / cand.mass);
+  return tok;
+}
+
 void Drafter::observe(const Sequence&, int64_t, int64_t, const float*) {
   fail("this drafter does not take the target's hidden states");
 }

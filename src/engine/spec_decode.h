@@ -77,6 +77,12 @@ class NgramDrafter final : public Drafter {
   int min_n_, max_n_;
 };
 
+// One draft from a drafter's logits [vocab] (MTP, DSpark): the argmax (ties to the lower id), or with `sample` a draw
+// from q -- the request's temperature, top-k, top-p and min-p over these logits, no penalties (vLLM's draft
+// sampling) -- with a uniform from `sampler`'s stream (the request's own), q written to q_row [vocab].
+int32_t choose_draft(const float* logits, int64_t vocab, bool sample, const SamplingParams& params, Sampler& sampler,
+                     float* q_row, SamplingCandidates& scratch);
+
 class Model;
 
 // The drafter of a config for `target`: ngram; mtp (the target's own MTP layer, engine/mtp_drafter.h: the model must

@@ -829,9 +829,34 @@ TEST(SpecMtpDrafts, ModelsWithoutAnMtpLayerAndBadConfigsAreErrors) {
   EngineConfig c2 = cfg;
   c2.speculative->model = "elsewhere";
   expect_error([&] { Engine e(tiny_mtp_model(), c2); }, "'model' is not used by method 'mtp'");
-  c2 = cfg;
-  c2.speculative->draft_sample_method = "probabilistic";
-  expect_error([&] { Engine e(tiny_mtp_model(), c2); }, "'draft_sample_method' 'probabilistic' is not built for method 'mtp'");
+}
+
+// Seeded sampled requests with probabilistic MTP drafts repeat exactly (drafts drawn from each request's stream).
+TEST(SpecMtpDrafts, ProbabilisticDraftsRepeatWithASeed) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.speculative = mtp_config();
+  cfg.speculative->draft_sample_method = "probabilistic";
+  auto run = [&] {
+    Engine e(m, cfg);
+    for (uint32_t i = 0; i < 3; ++i) {
+      SamplingParams p;
+      p.temperature = 1.0f;
+      p.top_p = 0.95f;
+      p.seed = 3 + i;
+      p.max_tokens = 20;
+      e.add_request(random_prompt(30, 60 + i), p);
+    }
+    std::vector<std::vector<int32_t>> out;
+    for (const RequestOutput& r : run_checked(e)) out.push_back(r.completions.at(0).token_ids);
+    return std::make_pair(out, e.stats().spec);
+  };
+  const auto [a, sa] = run();
+  const auto [b, sb] = run();
+  EXPECT_EQ(a, b);
+  EXPECT_GT(sa.num_drafts, 0);
+  EXPECT_EQ(sa.num_accepted_tokens, sb.num_accepted_tokens);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
