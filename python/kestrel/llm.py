@@ -114,7 +114,7 @@ class LLM:
             "load_format": load_format,
             "hf_overrides": json.dumps(hf_overrides or {}),
             # vLLM's dict (method, num_speculative_tokens, prompt_lookup_min/max, ...), checked as
-            # --speculative-config is: an error names the field. Runs on the CPU (method "ngram").
+            # --speculative-config is: an error names the field. Runs on the CPU (ngram, mtp, dspark).
             "speculative_config": json.dumps(speculative_config) if speculative_config else None,
         }
         if enable_lora and not 1 <= max_lora_rank <= 64:

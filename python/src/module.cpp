@@ -61,6 +61,7 @@ SessionOptions session_options(const py::dict& d) {
   std::string speculative_config;  // JSON, as --speculative-config
   take(d, "speculative_config", speculative_config);
   if (!speculative_config.empty()) e.speculative = parse_speculative_config(speculative_config);
+  o.load.load_mtp = e.speculative && e.speculative->method == "mtp";  // the mtp drafter's own layer
   return o;
 }
 

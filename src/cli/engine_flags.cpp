@@ -52,8 +52,10 @@ std::string EngineFlags::resolved_device() const { return resolve_device(device)
 
 std::unique_ptr<Model> EngineFlags::load_model(const std::string& dir) const {
   const std::string dev = resolved_device();
-  return Model::load(dir, model_options(), make_backend(dev, gpu_memory_utilization),
-                     load.options(engine.max_model_len));
+  LoadOptions lo = load.options(engine.max_model_len);
+  // The mtp drafter runs the checkpoint's own MTP layer.
+  lo.load_mtp = !speculative_config.empty() && parse_speculative_config(speculative_config).method == "mtp";
+  return Model::load(dir, model_options(), make_backend(dev, gpu_memory_utilization), lo);
 }
 
 std::unique_ptr<Engine> make_engine(const Model& model, const EngineFlags& f, std::shared_ptr<void>& keep) {

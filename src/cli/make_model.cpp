@@ -6,6 +6,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "cpu/cpu_backend.h"
+#include "model/dspark.h"
 #include "model/lora.h"
 #include "model/make_model.h"
 #include "model/model.h"
@@ -14,9 +15,9 @@ namespace kestrel::cli {
 
 Runner add_make_model(CLI::App& app) {
   struct Args {
-    std::string arch, preset = "tiny", out, hf_overrides, lora_out;
+    std::string arch, preset = "tiny", out, hf_overrides, lora_out, dspark_out;
     uint64_t seed = 0;
-    int lora_rank = 8;
+    int lora_rank = 8, dspark_block_size = 5;
     bool tokenizer = false, dummy_weights = false;
   };
   auto a = std::make_shared<Args>();
@@ -32,6 +33,11 @@ Runner add_make_model(CLI::App& app) {
   mk->add_option("--lora-out", a->lora_out,
                  "also write a random PEFT LoRA adapter over every module LoRA can adapt (a preset with weights)");
   mk->add_option("--lora-rank", a->lora_rank, "the adapter's rank r (lora_alpha = 2r), 1..64");
+  mk->add_option("--dspark-out", a->dspark_out,
+                 "also write a random DSpark drafter for the model (--speculative-config method dspark; a preset with "
+                 "weights)");
+  mk->add_option("--dspark-block-size", a->dspark_block_size, "the drafter's dspark_block_size, 1..32")
+      ->capture_default_str();
   return [mk, a]() {
     if (!mk->parsed()) return -1;
     const Preset& p = find_preset(parse_arch(a->arch), a->preset);
@@ -58,6 +64,13 @@ Runner add_make_model(CLI::App& app) {
       write_lora_adapter(a->lora_out, a->lora_rank, 2.0f * static_cast<float>(a->lora_rank), modules, a->seed + 1);
       std::printf("wrote %s: a rank-%d LoRA adapter of %zu modules\n", a->lora_out.c_str(), a->lora_rank,
                   modules.size());
+    }
+    if (!a->dspark_out.empty()) {
+      KESTREL_CHECK(p.has_weights || a->dummy_weights, "--dspark-out needs a checkpoint with weights");
+      KESTREL_CHECK(a->dspark_block_size >= 1 && a->dspark_block_size <= 32, "--dspark-block-size {} is outside [1, 32]",
+                    a->dspark_block_size);
+      write_dspark_drafter(a->dspark_out, a->out, a->seed + 2, a->dspark_block_size);
+      std::printf("wrote %s: a DSpark drafter (block %d)\n", a->dspark_out.c_str(), a->dspark_block_size);
     }
     return 0;
   };

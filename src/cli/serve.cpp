@@ -153,13 +153,10 @@ int run_serve(ServeArgs& a) {
                                   "the server yet (it runs on simulated ranks only)",
                                   a.decode_context_parallel_size));
   if (!a.speculative_config.empty()) {
-    // Bad JSON, an unknown field or a bad value is an error naming the field; a method or device not built yet is
-    // refused with the rest.
+    // Bad JSON, an unknown field or a bad value is an error naming the field; a device not built yet is refused with
+    // the rest (a drafter that does not fit the model is an error when the engine is made).
     SpeculativeConfig spec = parse_speculative_config(a.speculative_config);
-    if (spec.method != "ngram")
-      refused.push_back(fmt::format("--speculative-config: method '{}' is not built yet (method ngram is)",
-                                    spec.method));
-    else if (device == "cuda")
+    if (device == "cuda")
       refused.push_back("--speculative-config: speculative decoding is not supported with --device cuda yet (it runs "
                         "on the CPU reference: --device cpu)");
     o.engine.speculative = std::move(spec);
@@ -178,6 +175,7 @@ int run_serve(ServeArgs& a) {
     std::fprintf(stderr, "[kestrel] --gpu-memory-utilization has no effect on the CPU; the cache takes "
                          "--kv-cache-memory-bytes (%lld)\n", static_cast<long long>(a.kv_cache_memory_bytes));
   o.load = a.load.options(o.engine.max_model_len);
+  o.load.load_mtp = o.engine.speculative && o.engine.speculative->method == "mtp";  // the drafter's own layer
   o.model.latent_cache = parse_kv_cache_dtype(a.kv_cache_dtype, device, "--kv-cache-dtype");
   if (a.index_cache_dtype == "mxfp4") o.model.index_keys = IndexKeyDtype::mxfp4;
   else if (a.index_cache_dtype != "fp8") fail("--index-cache-dtype '{}' is not one of fp8, mxfp4", a.index_cache_dtype);

@@ -240,6 +240,26 @@ class CpuStep final : public StepOps {
     be_.linear(l, x.data(), wanted, logits_);
   }
 
+  Act host_rows(std::span<const float> rows, int64_t cols) override {
+    KESTREL_CHECK(static_cast<int64_t>(rows.size()) == N_ * cols, "{} host values for {} rows of {}", rows.size(), N_,
+                  cols);
+    const Act a = alloc(cols);
+    put(a, std::vector<float>(rows.begin(), rows.end()));
+    return a;
+  }
+
+  void scale_rows(Act x, std::span<const float> factors) override {
+    KESTREL_CHECK(static_cast<int64_t>(factors.size()) == N_, "{} row factors for {} rows", factors.size(), N_);
+    for (int64_t t = 0; t < N_; ++t) {
+      float* r = row(x, t);
+      for (int64_t i = 0; i < x.cols; ++i) r[i] *= factors[t];
+    }
+  }
+
+  void copy_out(Act x, float* dst, int64_t row_stride) override {
+    for (int64_t t = 0; t < N_; ++t) std::copy_n(row(x, t), x.cols, dst + t * row_stride);
+  }
+
  private:
   struct Buffer {
     std::vector<float> v;

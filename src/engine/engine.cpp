@@ -79,7 +79,10 @@ Engine::Engine(const Model& model, const EngineConfig& cfg)
       runner_(cfg.executor ? cfg.executor(model, cache_) : std::make_unique<ModelRunner>(model, cache_)) {
   if (cfg_.speculative) {
     validate_speculative_config(*cfg_.speculative);
-    drafter_ = cfg_.drafter ? cfg_.drafter : make_drafter(*cfg_.speculative);
+    drafter_ = cfg_.drafter ? cfg_.drafter : make_drafter(*cfg_.speculative, model_);
+    const std::vector<int> layers = drafter_->hidden_layers();
+    if (!layers.empty()) runner_->keep_hidden(layers);
+    hidden_width_ = static_cast<int64_t>(layers.size()) * model_.config().hidden_size;
     stats_.spec.accepted_per_pos.assign(static_cast<size_t>(cfg_.speculative->num_speculative_tokens), 0);
   } else {
     KESTREL_CHECK(!cfg_.drafter, "a drafter without a speculative config (num_speculative_tokens)");
@@ -160,6 +163,8 @@ RequestOutput Engine::abort(RequestId id) {
       scheduler_.remove(s.get());
       s->finish = FinishReason::abort;
     }
+  if (drafter_)
+    for (const auto& s : it->second->seqs) drafter_->release(*s);
   RequestOutput out = collect(*it->second);
   requests_.erase(it);
   return out;
@@ -328,6 +333,15 @@ StepOutput Engine::step() {
     }
   }
   scheduler_.commit(plan);
+  if (hidden_width_ > 0) {
+    // The drafter sees the hidden states of the positions the step kept.
+    const std::vector<float>& hidden = runner_->hidden();
+    int64_t token = 0;
+    for (const ScheduledSequence& x : plan.seqs) {
+      drafter_->observe(*x.seq, x.start, x.count - x.rejected, hidden.data() + token * hidden_width_);
+      token += x.count;
+    }
+  }
   int64_t row = 0;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSequence& x = plan.seqs[i];
@@ -393,6 +407,8 @@ StepOutput Engine::finish_step(const StepPlan& plan, const std::vector<RequestId
     const bool done = std::all_of(r->seqs.begin(), r->seqs.end(),
                                   [](const auto& s) { return s->status == Sequence::Status::finished; });
     if (!done || static_cast<int>(r->seqs.size()) < r->params.n) continue;
+    if (drafter_)
+      for (const auto& s : r->seqs) drafter_->release(*s);
     out.finished.push_back(collect(*r));
     requests_.erase(it);
   }

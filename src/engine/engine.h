@@ -128,6 +128,7 @@ class Engine {
   EngineStats stats_;
   std::shared_ptr<Drafter> drafter_;
   Draft draft_;
+  int64_t hidden_width_ = 0;  // per token, of the hidden states the drafter takes (0: none)
 };
 
 }  // namespace kestrel

@@ -19,11 +19,18 @@ class ModelRunner : public StepExecutor {
   void apply(std::span<const RowOp> ops) override;
   // Runs the plan's row ops and forward. Returns the logits [wanted positions, vocab], sequences in plan order.
   const std::vector<float>& execute(const StepPlan& plan) override;
+  void keep_hidden(std::vector<int> layers) override {
+    keep_hidden_ = true;
+    hidden_layers_ = std::move(layers);
+  }
+  const std::vector<float>& hidden() const override { return hidden_; }
 
  private:
   const Model& model_;
   CacheManager& cache_;
-  std::vector<float> logits_;
+  std::vector<float> logits_, hidden_;
+  bool keep_hidden_ = false;
+  std::vector<int> hidden_layers_;
 };
 
 }  // namespace kestrel

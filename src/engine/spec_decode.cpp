@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/dspark_drafter.h"
+#include "engine/mtp_drafter.h"
 #include "engine/sequence.h"
 
 namespace kestrel {
@@ -103,8 +105,7 @@ SpeculativeConfig parse_speculative_config(const std::string& text) {
   bool has_min = false, has_max = false;
   std::optional<double> rate, length;
   std::vector<double> rates;
-  KESTREL_CHECK(j.contains("method"), "--speculative-config: 'method' is missing (ngram; mtp and dspark are not "
-                                      "built yet)");
+  KESTREL_CHECK(j.contains("method"), "--speculative-config: 'method' is missing (ngram, mtp or dspark)");
   KESTREL_CHECK(j.contains("num_speculative_tokens"), "--speculative-config: 'num_speculative_tokens' is missing");
   for (const auto& [key, v] : j.items()) {
     if (key == "method") c.method = get_string(v, "method");
@@ -166,16 +167,33 @@ void NgramDrafter::lookup(std::span<const int32_t> t, int min_n, int max_n, int 
   }
 }
 
-void NgramDrafter::propose(const Sequence& s, int max_tokens, int64_t, Draft& out) {
+void NgramDrafter::propose(Sequence& s, int max_tokens, int64_t, Draft& out) {
   out.probs.clear();
   lookup(s.tokens, min_n_, max_n_, max_tokens, out.tokens);
 }
 
-std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c) {
+int32_t choose_draft(const float* logits, int64_t vocab, bool sample, const SamplingParams& params, Sampler& sampler,
+                     float* q_row, SamplingCandidates& cand) {
+  if (!sample) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  SamplingParams dp = params;
+  dp.presence_penalty = dp.frequency_penalty = 0.0f;
+  dp.repetition_penalty = 1.0f;
+  sampling_candidates(dp, logits, vocab, {}, {}, cand);
+  const int32_t tok = draw_candidate(cand, sampler.draw_uniform_always());
+  std::fill_n(q_row, vocab, 0.0f);
+  for (int64_t j = 0; j < cand.keep; ++j) q_row[cand.order[j]] = static_cast<float>(cand.prob[j] / cand.mass);
+  return tok;
+}
+
+void Drafter::observe(const Sequence&, int64_t, int64_t, const float*) {
+  fail("this drafter does not take the target's hidden states");
+}
+
+std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c, const Model& target) {
   if (c.method == "ngram") return std::make_unique<NgramDrafter>(c.prompt_lookup_min, c.prompt_lookup_max);
-  fail("--speculative-config: method '{}' is not built yet (the drafter's model and GPU part come later); use "
-       "method ngram",
-       c.method);
+  if (c.method == "mtp") return std::make_unique<MtpDrafter>(target, c);
+  KESTREL_CHECK(c.method == "dspark", "--speculative-config: 'method' '{}' is not one of ngram, mtp, dspark", c.method);
+  return std::make_unique<DsparkDrafter>(target, c);
 }
 
 VerifyResult verify_draft(Sampler& s, const float* logits, int64_t V, std::span<const int32_t> drafts,

@@ -19,11 +19,11 @@ namespace kestrel {
 
 struct Sequence;
 
-// --speculative-config (vLLM's field names). Only what is built is accepted; mtp and dspark are known methods that
-// are refused when an engine is made (make_drafter) until their drafters are built.
+// --speculative-config (vLLM's field names). Only what is built is accepted; dspark is a known method that is
+// refused when an engine is made (make_drafter) until its drafter is built.
 struct SpeculativeConfig {
   std::string method = "ngram";          // ngram | mtp | dspark
-  std::string model;                     // the drafter's checkpoint (mtp, dspark; unused by ngram)
+  std::string model;                     // the drafter's checkpoint (dspark; ngram and mtp take none)
   int num_speculative_tokens = 0;        // k: drafts per step, 1..kMaxSpeculativeTokens
   int prompt_lookup_min = 5, prompt_lookup_max = 5;  // ngram: the n-gram lengths tried, longest first
   std::string draft_sample_method = "greedy";        // greedy | probabilistic (drafts sampled from q, q verified)
@@ -51,8 +51,18 @@ struct Draft {
 class Drafter {
  public:
   virtual ~Drafter() = default;
-  // Proposes at most max_tokens drafts to follow s.tokens (the prompt and the tokens generated so far).
-  virtual void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) = 0;
+  // Proposes at most max_tokens drafts to follow s.tokens (the prompt and the tokens generated so far). A drafter
+  // that samples its drafts draws from s's own random stream (s.sampler), so that a seed reproduces them.
+  virtual void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) = 0;
+  // A drafter conditioned on the target's hidden states (MTP, DSpark) names them (Model::forward's layers: kFinalHidden
+  // or a decoder layer's output; empty: none). The engine then hands it, after every step, those hidden states
+  // [n, layers * hidden_size] of the n positions start... of s that the step computed and kept (rejected drafts'
+  // positions left out). A start before what it was given last means the positions from start on were computed
+  // again (preemption, rejected drafts).
+  virtual std::vector<int> hidden_layers() const { return {}; }
+  virtual void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden);
+  // s finished or was aborted: what the drafter keeps for it can go.
+  virtual void release(const Sequence&) {}
 };
 
 // Prompt lookup: the longest n-gram (n from max down to min) ending the sequence that occurred before in it; the
@@ -60,7 +70,7 @@ class Drafter {
 class NgramDrafter final : public Drafter {
  public:
   NgramDrafter(int min_n, int max_n) : min_n_(min_n), max_n_(max_n) {}
-  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override;
   static void lookup(std::span<const int32_t> tokens, int min_n, int max_n, int max_tokens,
                      std::vector<int32_t>& out);
 
@@ -68,8 +78,17 @@ class NgramDrafter final : public Drafter {
   int min_n_, max_n_;
 };
 
-// The drafter of a config: ngram is built; mtp and dspark are refused (not built yet).
-std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c);
+// One draft from a drafter's logits [vocab] (MTP, DSpark): the argmax (ties to the lower id), or with `sample` a draw
+// from q -- the request's temperature, top-k, top-p and min-p over these logits, no penalties (vLLM's draft
+// sampling) -- with a uniform from `sampler`'s stream (the request's own), q written to q_row [vocab].
+int32_t choose_draft(const float* logits, int64_t vocab, bool sample, const SamplingParams& params, Sampler& sampler,
+                     float* q_row, SamplingCandidates& scratch);
+
+class Model;
+
+// The drafter of a config for `target`: ngram; mtp (the target's own MTP layer, engine/mtp_drafter.h: the model must
+// have been loaded with it); dspark is refused (not built yet).
+std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& c, const Model& target);
 
 struct VerifyOptions {
   bool synthetic = false;                     // rejection_sample_method synthetic

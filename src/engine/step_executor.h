@@ -38,6 +38,11 @@ class StepExecutor {
   // Runs the plan's row ops and forward. Returns the logits [wanted positions, vocab] on the host, sequences in
   // plan order.
   virtual const std::vector<float>& execute(const StepPlan& plan) = 0;
+  // Drafters conditioned on the target (engine/spec_decode.h): from now on execute() also keeps every step token's
+  // hidden states of `layers` (Model::forward's), [step tokens, layers.size() * hidden_size] in plan order, returned
+  // by hidden(). Executors that cannot refuse it (Error).
+  virtual void keep_hidden(std::vector<int> layers);
+  virtual const std::vector<float>& hidden() const;
   // Whether execute_sampled can choose tokens with these parameters.
   virtual bool samples(const SamplingParams&) const { return false; }
   // Whether execute_sampled applies SampleRow::token_mask (structured output). Without it, a step with a

@@ -154,6 +154,12 @@ class StepOps {
   virtual Act mla_attention(MlaAttnW w, int layer, Act x, Act qr, Act q, Act kv) = 0;
   // The final norm and the LM head over the rows whose logits the step wants: the step's result.
   virtual void logits(Act h, VecW final_norm, LinearW head) = 0;
+
+  // Drafters (speculative decoding on the CPU reference; other backends refuse them): an activation whose rows the
+  // host gives ([N, cols], step order), each row of x scaled by its own factor, and every row t of x copied to the host at dst + t * row_stride.
+  virtual Act host_rows(std::span<const float> rows, int64_t cols);
+  virtual void scale_rows(Act x, std::span<const float> factors);
+  virtual void copy_out(Act x, float* dst, int64_t row_stride);
 };
 
 // What a step hands back: its logits in host memory, or the tokens the backend sampled.

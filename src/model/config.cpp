@@ -285,6 +285,8 @@ ModelConfig ModelConfig::from_json(const json& j) {
   c.first_k_dense_replace = to_int(f.non_negative("first_k_dense_replace"), "first_k_dense_replace");
   c.moe_layer_freq = f.has("moe_layer_freq") ? to_int(f.positive("moe_layer_freq"), "moe_layer_freq") : 1;
   c.routed_scaling_factor = static_cast<float>(f.number("routed_scaling_factor"));
+  if (f.has("num_nextn_predict_layers"))
+    c.num_nextn_predict_layers = to_int(f.non_negative("num_nextn_predict_layers"), "num_nextn_predict_layers", 16);
 
   if (c.arch == Arch::deepseek_v32) {
     c.use_rope = true;
@@ -415,6 +417,7 @@ json ModelConfig::to_json() const {
   j["first_k_dense_replace"] = first_k_dense_replace;
   j["moe_layer_freq"] = moe_layer_freq;
   j["routed_scaling_factor"] = decimal(routed_scaling_factor);
+  if (num_nextn_predict_layers > 0) j["num_nextn_predict_layers"] = num_nextn_predict_layers;
   j["moe_intermediate_size"] = moe_intermediate_size;
   if (has_indexer) {
     j["index_n_heads"] = index_n_heads;

@@ -76,6 +76,9 @@ struct ModelConfig {
   int topk_group = 1;
   float routed_scaling_factor = 1.0f;
   bool norm_topk_prob = true;
+  // Multi-token prediction: layers num_hidden_layers .. + this of the checkpoint (DeepSeek-V3's MTP modules: enorm,
+  // hnorm, eh_proj, a decoder layer, shared_head), run only as the `mtp` drafter of speculative decoding.
+  int num_nextn_predict_layers = 0;
 
   // Weight storage
   WeightQuant weight_quant = WeightQuant::none;

@@ -103,6 +103,7 @@ ModelConfig tiny_deepseek() {
   c.weight_quant = WeightQuant::fp8_block;
   c.weight_block_size = 128;
   c.max_position_embeddings = 163840;
+  c.num_nextn_predict_layers = 1;
   c.bos_token_id = kTinyBosId;
   c.eos_token_id = kTinyEosId;
   return c;
@@ -268,6 +269,7 @@ ModelConfig deepseek_v32_full() {
   c.n_group = 8;
   c.topk_group = 4;
   c.moe_intermediate_size = 2048;
+  c.num_nextn_predict_layers = 1;
   c.bos_token_id = 0;
   c.eos_token_id = 1;
   return c;
@@ -447,11 +449,11 @@ std::map<std::string, TensorData> build_weights(const ModelConfig& c, uint64_t s
   const Store experts = c.weight_quant == WeightQuant::mxfp4 ? Store::mxfp4 : lin;
   const int64_t D = c.hidden_size, V = c.vocab_size;
   b.add("model.embed_tokens.weight", {V, D}, b.draw("model.embed_tokens.weight", V * D, 1.0f), Store::bf16);
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
+  auto layer = [&](int l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     norm(b, p + "input_layernorm.weight", D, nrm);
     norm(b, p + "post_attention_layernorm.weight", D, nrm);
-    if (c.layer_kinds[l] == LayerKind::kda)
+    if (l < c.num_hidden_layers && c.layer_kinds[l] == LayerKind::kda)
       kda_weights(b, c, p + "self_attn.");
     else
       mla_weights(b, c, p + "self_attn.", lin, nrm);
@@ -461,6 +463,22 @@ std::map<std::string, TensorData> build_weights(const ModelConfig& c, uint64_t s
       moe_weights(b, c, p + "mlp.", kDense, experts, lin);
     else
       moe_weights(b, c, p + "block_sparse_moe.", kKimiExperts, experts, lin);
+  };
+  for (int l = 0; l < c.num_hidden_layers; ++l) layer(l);
+  // DeepSeek-V3's MTP modules after the decoder layers: a decoder layer (MoE past first_k_dense_replace) with enorm,
+  // hnorm, eh_proj and shared_head; their embed_tokens and shared_head.head are copies of the model's, as in
+  // DeepSeek's checkpoints.
+  KESTREL_CHECK(c.num_nextn_predict_layers == 0 || ds, "make-model writes MTP layers only for deepseek_v32");
+  for (int l = c.num_hidden_layers; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
+    layer(l);
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    norm(b, p + "enorm.weight", D, nrm);
+    norm(b, p + "hnorm.weight", D, nrm);
+    b.linear(p + "eh_proj", D, 2 * D, Store::bf16);
+    norm(b, p + "shared_head.norm.weight", D, nrm);
+    b.add(p + "embed_tokens.weight", {V, D}, b.draw("model.embed_tokens.weight", V * D, 1.0f), Store::bf16);
+    b.add(p + "shared_head.head.weight", {V, D},
+          b.draw("lm_head.weight", V * D, 1.0f / std::sqrt(static_cast<float>(D))), Store::bf16);
   }
   norm(b, "model.norm.weight", D, nrm);
   if (!c.tie_word_embeddings)

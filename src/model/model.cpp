@@ -49,9 +49,17 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const ModelOptions& o
     const StoredLinear head = w.linear("lm_head", cfg.vocab_size, cfg.hidden_size, Quant::none);
     m->lm_head_ = b.add_linear(std::span(&head, 1));
   }
+  if (lo.load_mtp) m->load_mtp(w);
   b.finalize_weights();
   m->stored_bytes_ = w.handed_bytes();
   m->sequence_plan_ = plan_cache(m->cache_specs(), {.block_size = 64});
+
+  if (m->mtp_) {
+    std::vector<LayerCacheSpec> one(1);
+    one[0].latent_bytes = latent_entry_bytes(cfg, opts.latent_cache);
+    one[0].index_key_bytes = index_key_entry_bytes(cfg, opts.index_keys);
+    m->mtp_plan_ = plan_cache(one, {.block_size = 64});
+  }
 
   // Multi-token-prediction layers (numbered from num_hidden_layers on) are not run; anything else left over is an
   // error, since a tensor we do not understand means the checkpoint is not the model we think it is.
@@ -128,26 +136,126 @@ Act Model::ffn(StepOps& b, const FfnWeights& w, Act x) const {
   return b.linear(w.down, b.swiglu(b.linear(w.gate_up, x)));
 }
 
-void Model::graph(StepOps& b) const {
+void Model::decoder_layer(StepOps& b, const DecoderLayer& L, int layer, Act h) const {
   const float eps = cfg_.rms_norm_eps;
+  b.begin_layer(layer);
+  Act x = b.rms_norm(h, L.input_norm, eps);
+  b.add(h, L.kda ? kda_mixer(b, *L.kda, layer, x) : mla_mixer(b, *L.mla, layer, x));
+  x = b.rms_norm(h, L.post_norm, eps);
+  if (L.moe) {
+    const Act y = b.moe(*L.moe, x);
+    if (L.shared) b.add(y, ffn(b, *L.shared, x));
+    b.add(h, y);
+  } else {
+    b.add(h, ffn(b, *L.dense, x));
+  }
+  b.end_layer(layer);
+}
+
+void Model::graph(StepOps& b, float* hidden, std::span<const int> layers) const {
+  static constexpr int kFinal[1] = {kFinalHidden};
+  if (layers.empty()) layers = kFinal;
+  const int64_t D = cfg_.hidden_size, stride = static_cast<int64_t>(layers.size()) * D;
   const Act h = b.embed(embed_);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const DecoderLayer& L = layers_[l];
-    const int layer = static_cast<int>(l);
-    b.begin_layer(layer);
-    Act x = b.rms_norm(h, L.input_norm, eps);
-    b.add(h, L.kda ? kda_mixer(b, *L.kda, layer, x) : mla_mixer(b, *L.mla, layer, x));
-    x = b.rms_norm(h, L.post_norm, eps);
-    if (L.moe) {
-      const Act y = b.moe(*L.moe, x);
-      if (L.shared) b.add(y, ffn(b, *L.shared, x));
-      b.add(h, y);
-    } else {
-      b.add(h, ffn(b, *L.dense, x));
-    }
-    b.end_layer(layer);
+    decoder_layer(b, layers_[l], static_cast<int>(l), h);
+    for (size_t i = 0; hidden && i < layers.size(); ++i)
+      if (layers[i] == static_cast<int>(l)) b.copy_out(h, hidden + static_cast<int64_t>(i) * D, stride);
   }
+  for (size_t i = 0; hidden && i < layers.size(); ++i)
+    if (layers[i] == kFinalHidden)
+      b.copy_out(b.rms_norm(h, final_norm_, cfg_.rms_norm_eps), hidden + static_cast<int64_t>(i) * D, stride);
   b.logits(h, final_norm_, lm_head_);
+}
+
+void Model::load_mtp(WeightLoader& w) {
+  const ModelConfig& cfg = cfg_;
+  Backend& b = *backend_;
+  KESTREL_CHECK(cfg.num_nextn_predict_layers > 0,
+                "--speculative-config: method 'mtp' runs the checkpoint's multi-token-prediction layer, and this model "
+                "has none: config.json's num_nextn_predict_layers is {} ({} checkpoints define none)",
+                cfg.num_nextn_predict_layers, arch_name(cfg.arch));
+  KESTREL_CHECK(cfg.arch == Arch::deepseek_v32, "multi-token-prediction layers of {} are not known (DeepSeek-V3.2's are)",
+                arch_name(cfg.arch));
+  KESTREL_CHECK(cfg.num_nextn_predict_layers == 1,
+                "config.json's num_nextn_predict_layers is {}: the mtp drafter runs one MTP layer (DeepSeek-V3.2 has one)",
+                cfg.num_nextn_predict_layers);
+  const int64_t D = cfg.hidden_size, V = cfg.vocab_size;
+  const int n = cfg.num_hidden_layers;
+  const std::string p = "model.layers." + std::to_string(n) + ".";
+  const Init norm{0.05f, 1.0f};
+  MtpWeights m;
+  m.enorm = b.add_vector(w.tensor(p + "enorm.weight", {D}, norm));
+  m.hnorm = b.add_vector(w.tensor(p + "hnorm.weight", {D}, norm));
+  // eh_proj and shared_head are plain linear layers in DeepSeek's FP8 checkpoints (vLLM builds them unquantized).
+  const StoredLinear eh = w.linear(p + "eh_proj", D, 2 * D, Quant::none);
+  m.eh_proj = b.add_linear(std::span(&eh, 1));
+  m.block = load_deepseek_v32_layer(cfg, w, b, n);
+  m.head_norm = b.add_vector(w.tensor(p + "shared_head.norm.weight", {D}, norm));
+  if (const auto e = w.optional_tensor(p + "embed_tokens.weight", {V, D}, {1.0f, 0.0f}, DType::BF16, false))
+    m.embed = b.add_embedding(*e);
+  else
+    m.embed = embed_;
+  if (const auto h = w.optional_tensor(p + "shared_head.head.weight", {V, D}, {}, DType::BF16, false)) {
+    StoredLinear head;
+    head.weight = *h;
+    head.out = V;
+    head.in = D;
+    m.head = b.add_linear(std::span(&head, 1));
+  } else {
+    m.head = lm_head_;
+  }
+  mtp_ = std::move(m);
+}
+
+SequenceState Model::new_mtp_sequence() const {
+  KESTREL_CHECK(mtp_.has_value(), "the model was loaded without its MTP layer");
+  SequenceState s;
+  s.rows.assign(static_cast<size_t>(mtp_plan_.state_rows_per_request * mtp_plan_.row_bytes), 0);
+  return s;
+}
+
+void Model::mtp_forward(SequenceState& seq, const int32_t* ids, const float* hidden, const float* embed_scale,
+                        int64_t T, float* logits, float* hidden_out) const {
+  KESTREL_CHECK(mtp_.has_value(), "the model was loaded without its MTP layer");
+  KESTREL_CHECK(T > 0, "mtp_forward needs at least one position");
+  const MtpWeights& m = *mtp_;
+  const CachePlan& plan = mtp_plan_;
+  const int64_t B = plan.block_size, S = plan.state_rows_per_request, end = seq.num_tokens + T;
+  const int64_t D = cfg_.hidden_size, blocks = plan.token_rows_for(end);
+  for (int64_t t = 0; t < T; ++t)
+    KESTREL_CHECK(ids[t] >= 0 && ids[t] < cfg_.vocab_size, "token id {} is outside the vocabulary (0..{})", ids[t],
+                  cfg_.vocab_size - 1);
+  if (seq.rows.size() < static_cast<size_t>((S + blocks) * plan.row_bytes))
+    seq.rows.resize(static_cast<size_t>((S + blocks) * plan.row_bytes), 0);
+  std::vector<int32_t> block_table(blocks), state_rows(S);
+  for (int64_t j = 0; j < blocks; ++j) block_table[j] = static_cast<int32_t>(S + j);
+  for (int64_t r = 0; r < S; ++r) state_rows[r] = static_cast<int32_t>(r);
+  std::vector<int64_t> slots(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = seq.num_tokens + t;
+    slots[t] = (S + p / B) * B + p % B;
+  }
+  const SequenceStep step{std::span(ids, T), seq.num_tokens, false, block_table, slots, state_rows, {}, T - 1, 0};
+  std::vector<float> in(static_cast<size_t>(T * 2 * D), 0.0f);
+  for (int64_t t = 0; t < T; ++t) std::copy_n(hidden + t * D, D, in.data() + (t * 2 + 1) * D);
+  const float eps = cfg_.rms_norm_eps;
+  backend_->run_step(
+      StepBatch{seq.rows.data(), &plan, std::span(&step, 1)},
+      [&](StepOps& b) {
+        const Act x = b.host_rows(in, 2 * D);
+        const Act e = b.embed(m.embed);
+        b.scale_rows(e, std::span(embed_scale, T));
+        b.add(x.slice(0, D), e);
+        b.rms_norm_inplace(x.slice(0, D), m.enorm, eps);
+        b.rms_norm_inplace(x.slice(D, D), m.hnorm, eps);
+        const Act h = b.linear(m.eh_proj, x);
+        decoder_layer(b, m.block, 0, h);
+        b.copy_out(h, hidden_out, D);
+        b.logits(h, m.head_norm, m.head);
+      },
+      StepResults{logits, {}, nullptr});
+  seq.num_tokens = end;
 }
 
 void Model::check_step(const StepBatch& batch) const {
@@ -184,9 +292,13 @@ void Model::check_step(const StepBatch& batch) const {
   }
 }
 
-void Model::forward(const StepBatch& batch, float* logits) const {
+void Model::forward(const StepBatch& batch, float* logits, float* hidden, std::span<const int> layers) const {
   check_step(batch);
-  backend_->run_step(batch, [this](StepOps& ops) { graph(ops); }, StepResults{logits, {}, nullptr});
+  for (int l : layers)
+    KESTREL_CHECK(l == kFinalHidden || (l >= 0 && l < static_cast<int>(layers_.size())),
+                  "hidden states of layer {} asked for, the model has {} layers", l, layers_.size());
+  backend_->run_step(batch, [this, hidden, layers](StepOps& ops) { graph(ops, hidden, layers); },
+                     StepResults{logits, {}, nullptr});
 }
 
 void Model::forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows,
@@ -220,12 +332,16 @@ uint64_t Model::lora_key(int32_t id) const {
   return it->second;
 }
 
+Act StepOps::host_rows(std::span<const float>, int64_t) { fail("this backend does not run drafters (host rows)"); }
+void StepOps::scale_rows(Act, std::span<const float>) { fail("this backend does not run drafters (row scaling)"); }
+void StepOps::copy_out(Act, float*, int64_t) { fail("this backend does not run drafters (hidden states)"); }
+
 void Backend::load_lora(int32_t id, const LoraAdapter&) {
   fail("the {} backend does not run LoRA adapters (adapter {})", name(), id);
 }
 
 void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only,
-                    int32_t lora) const {
+                    int32_t lora, float* hidden, std::span<const int> layers) const {
   KESTREL_CHECK(T > 0, "forward needs at least one token");
   const CachePlan& plan = sequence_plan_;
   const int64_t B = plan.block_size, S = plan.state_rows_per_request, end = seq.num_tokens + T;
@@ -241,7 +357,7 @@ void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* lo
   }
   const SequenceStep step{std::span(ids, T), seq.num_tokens, T > 1, block_table, slots, state_rows, {},
                           last_only ? T - 1 : 0, lora};
-  forward(StepBatch{seq.rows.data(), &plan, std::span(&step, 1)}, logits);
+  forward(StepBatch{seq.rows.data(), &plan, std::span(&step, 1)}, logits, hidden, layers);
   seq.num_tokens = end;
 }
 

@@ -20,7 +20,10 @@
 
 namespace kestrel {
 
-class MlaStepRunner;  // src/cpu/mla_core.h: the CPU backend's hook for running MLA attention over several ranks
+class MlaStepRunner;
+
+// Model::forward's hidden-state entry for the final-normed state (the LM head's input).
+inline constexpr int kFinalHidden = -1;  // src/cpu/mla_core.h: the CPU backend's hook for running MLA attention over several ranks
 
 struct ModelOptions {
   LatentCacheDtype latent_cache = LatentCacheDtype::auto_fp32;
@@ -46,6 +49,9 @@ struct LoadOptions {
   uint64_t seed = 0;
   // Cap on the context length, when the config allows more (--max-model-len).
   int64_t max_model_len = 0;
+  // Also the checkpoint's multi-token-prediction layer (config num_nextn_predict_layers; the `mtp` drafter of
+  // speculative decoding). Without it those tensors are skipped.
+  bool load_mtp = false;
 };
 
 // A KDA checkpoint to take during a step: the states after the token at `position` - 1, into these state rows
@@ -114,6 +120,18 @@ struct DecoderLayer {
   std::optional<FfnWeights> shared;
 };
 
+// A DeepSeek-V3 multi-token-prediction module (checkpoint layer num_hidden_layers): position i's input is
+// eh_proj([enorm(embed(token i + 1)) ; hnorm(hidden i)]), then one decoder layer; shared_head's norm and head give
+// the logits of token i + 2. embed and head are the module's own copies when the checkpoint stores them, else the
+// target's.
+struct MtpWeights {
+  VecW enorm, hnorm, head_norm;
+  LinearW eh_proj;  // [D, 2D]
+  EmbeddingW embed;
+  LinearW head;
+  DecoderLayer block;
+};
+
 class WeightLoader;
 
 class Model {
@@ -137,18 +155,33 @@ class Model {
 
   // Runs one step of several requests together. logits: [sum of wanted positions, vocab], requests in order. The
   // result for a request does not depend on the others in the batch (on the CPU backend bit for bit).
-  void forward(const StepBatch& batch, float* logits) const;
+  // hidden: when set, every step token's hidden states [step tokens, layers.size() * hidden_size] (the drafters'
+  // input; the CPU backend only): for each entry l of `layers` the residual stream after decoder layer l, or for
+  // kFinalHidden the final-normed state the LM head takes; no layers: kFinalHidden alone.
+  void forward(const StepBatch& batch, float* logits, float* hidden = nullptr, std::span<const int> layers = {}) const;
   // The same step with the backend choosing each wanted row's token (Backend::samples_rows).
   void forward_sampled(const StepBatch& batch, std::span<const SampleRow> rows, std::vector<SampledToken>& out) const;
   // The graph of one step over a backend's ops: what forward() hands the backend.
-  void graph(StepOps& ops) const;
+  void graph(StepOps& ops, float* hidden = nullptr, std::span<const int> layers = {}) const;
+
+  // The MTP layer (LoadOptions::load_mtp), run by the `mtp` drafter over a cache of its own: one MLA layer's rows per
+  // sequence, laid out by mtp_plan() (a SequenceState apart from the engine's pool).
+  bool has_mtp() const { return mtp_.has_value(); }
+  SequenceState new_mtp_sequence() const;
+  // T positions at mtp.num_tokens...: position i takes ids[i] (the token after it), hidden [T, D] (the target's
+  // final-normed hidden state there, or the MTP's own output for a chained draft) and embed_scale[i] (0 masks the
+  // token embedding, as vLLM does at position 0). Writes the last position's logits [vocab] and every position's
+  // output hidden state [T, D] (before shared_head's norm).
+  void mtp_forward(SequenceState& mtp, const int32_t* ids, const float* hidden, const float* embed_scale, int64_t T,
+                   float* logits, float* hidden_out) const;
 
   SequenceState new_sequence() const;
   // Feeds T tokens at positions seq.num_tokens...; a call with T > 1 is a prompt, a single token a generated one.
   // Writes logits [T, vocab] for every position, or only for the last one (logits [1, vocab]) when last_only.
   // With lora != 0, through that adapter.
+  // hidden, layers: as forward(StepBatch)'s, [T, layers * hidden_size].
   void forward(SequenceState& seq, const int32_t* ids, int64_t T, float* logits, bool last_only = false,
-               int32_t lora = 0) const;
+               int32_t lora = 0, float* hidden = nullptr, std::span<const int> layers = {}) const;
 
   // LoRA adapters, by id > 0 (a request's SamplingParams::lora_id): load_lora hands the adapter to the backend (which
   // checks it against the layers) and replaces the weights an id had (the RL weight sync between steps).
@@ -165,6 +198,9 @@ class Model {
   Act mla_mixer(StepOps& b, const MlaLayerWeights& w, int layer, Act x) const;
   Act kda_mixer(StepOps& b, const KdaLayerWeights& w, int layer, Act x) const;
   Act ffn(StepOps& b, const FfnWeights& w, Act x) const;
+  void load_mtp(WeightLoader& w);
+  // One decoder layer on the residual stream h (its cache side: layer `layer` of the step's plan).
+  void decoder_layer(StepOps& b, const DecoderLayer& L, int layer, Act h) const;
   // Error naming what is wrong with a step (the plan against the layers, each sequence's tables and tokens).
   void check_step(const StepBatch& batch) const;
 
@@ -177,6 +213,8 @@ class Model {
   LinearW lm_head_;
   VecW final_norm_;
   std::vector<DecoderLayer> layers_;
+  std::optional<MtpWeights> mtp_;
+  CachePlan mtp_plan_;
   std::map<int32_t, uint64_t> lora_keys_;
   uint64_t lora_loads_ = 0;
 };

@@ -44,7 +44,10 @@ class SpecCli : public ::testing::Test {
     if (!fs::exists(binary())) return;
     dir_ = fs::temp_directory_path() / ("kestrel_spec_cli_test_" + std::to_string(::getpid()));
     std::string out;
-    ASSERT_EQ(run(binary() + " make-model --arch kimi_k3 --preset tiny --out " + dir_ + "/m --seed 3", &out), 0);
+    ASSERT_EQ(run(binary() + " make-model --arch kimi_k3 --preset tiny --out " + dir_ + "/m --seed 3 --dspark-out " +
+                      dir_ + "/dspark",
+                  &out),
+              0);
   }
   static void TearDownTestSuite() {
     if (!dir_.empty()) fs::remove_all(dir_);
@@ -70,6 +73,28 @@ TEST_F(SpecCli, GenerateWithNgramEqualsWithout) {
   EXPECT_NE(err.find("[kestrel] speculative decoding: "), std::string::npos) << err;
   // Log-probabilities too (the JSON prints floats exactly enough to tell bits apart: shortest round trip).
   std::ifstream a(dir_ + "/plain.jsonl"), b(dir_ + "/spec.jsonl");
+  std::string la, lb;
+  int lines = 0;
+  while (std::getline(a, la)) {
+    ASSERT_TRUE(std::getline(b, lb));
+    EXPECT_EQ(nlohmann::json::parse(la), nlohmann::json::parse(lb));
+    ++lines;
+  }
+  EXPECT_EQ(lines, 2);
+}
+
+// make-model's DSpark drafter through generate: greedy tokens and log-probabilities as without speculation.
+TEST_F(SpecCli, GenerateWithDsparkEqualsWithout) {
+  const std::string args = " generate " + dir_ + "/m --prompt-ids 5,6,7,8,5,6,7,8,5,6,7,8 --prompt-ids 9,3,9,3,9 " +
+                           "--max-tokens 16 --ignore-eos --logprobs 0 --output-json ";
+  const std::string cfg = R"({"method": "dspark", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic", "model": ")" +
+                          dir_ + R"(/dspark"})";
+  std::string plain, spec, err;
+  ASSERT_EQ(run(binary() + args + dir_ + "/plain_d.jsonl", &plain, &err), 0) << err;
+  ASSERT_EQ(run(binary() + args + dir_ + "/spec_d.jsonl --speculative-config " + quoted(cfg), &spec, &err), 0) << err;
+  EXPECT_EQ(spec, plain);
+  EXPECT_NE(err.find("[kestrel] speculative decoding: "), std::string::npos) << err;
+  std::ifstream a(dir_ + "/plain_d.jsonl"), b(dir_ + "/spec_d.jsonl");
   std::string la, lb;
   int lines = 0;
   while (std::getline(a, la)) {
@@ -117,8 +142,10 @@ TEST_F(SpecCli, BadConfigsAreErrorsNamingTheField) {
       {R"({"method": "ngram", "num_speculative_tokens": 99})", "'num_speculative_tokens' must be in [1, 32]"},
       {R"({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": true})",
        "'prompt_lookup_min' must be an integer"},
-      {R"({"method": "dspark", "num_speculative_tokens": 2, "model": "d"})", "method 'dspark' is not built yet"},
-      {R"({"method": "mtp", "num_speculative_tokens": 1})", "method 'mtp' is not built yet"},
+      {R"({"method": "dspark", "num_speculative_tokens": 2, "model": "d"})", "'model' d: cannot open d/config.json"},
+      {R"({"method": "dspark", "num_speculative_tokens": 9, "model": ")" + dir_ + R"(/dspark"})",
+       "'num_speculative_tokens' 9 is beyond the DSpark drafter's dspark_block_size 5"},
+      {R"({"method": "mtp", "num_speculative_tokens": 1})", "config.json's num_nextn_predict_layers is 0"},
   };
   for (const auto& [cfg, words] : cases) {
     for (const std::string& cmd : std::vector<std::string>{
@@ -140,7 +167,7 @@ TEST_F(SpecCli, BadConfigsAreErrorsNamingTheField) {
                     quoted(R"({"method": "dspark", "num_speculative_tokens": 2})"),
                 &out, &err),
             0);
-  EXPECT_NE(err.find("method 'dspark' is not built yet"), std::string::npos) << err;
+  EXPECT_NE(err.find("method 'dspark' needs 'model'"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -12,7 +16,11 @@
 #include <random>
 
 #include "core/error.h"
+#include "engine/dspark_drafter.h"
+#include "engine/mtp_drafter.h"
 #include "engine/spec_decode.h"
+#include "model/dspark.h"
+#include "model/safetensors.h"
 #include "schema_constraint.h"
 #include "tiny_models.h"
 
@@ -33,7 +41,7 @@ class OracleDrafter final : public Drafter {
  public:
   OracleDrafter(std::map<std::vector<int32_t>, std::vector<int32_t>> refs, int k, bool all_wrong)
       : refs_(std::move(refs)), k_(k), all_wrong_(all_wrong) {}
-  void propose(const Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
     out.tokens.clear();
     const auto it = refs_.find(s.request->prompt);
     if (it == refs_.end()) return;
@@ -766,21 +774,503 @@ TEST(SpecConfig, ParsesAndNamesTheFieldInErrors) {
                "'synthetic_acceptance_rate' 1.5 is not in [0, 1]");
 }
 
-TEST(SpecConfig, MtpAndDsparkAreRefusedAsNotBuilt) {
-  const Model& m = tiny_model(Arch::deepseek_v32);
-  for (const char* method : {"mtp", "dspark"}) {
-    EngineConfig cfg;
-    cfg.max_model_len = 256;
-    cfg.speculative = parse_speculative_config(std::string(R"({"method": ")") + method +
-                                               R"(", "num_speculative_tokens": 2, "model": "x"})");
+// ---------------------------------------------------------------------------------------------------------------
+// The mtp drafter: DeepSeek-V3.2's own MTP layer (make-model writes one for the tiny deepseek_v32 model).
+
+const Model& tiny_mtp_model() {
+  static const std::unique_ptr<Model> m = [] {
+    LoadOptions lo;
+    lo.load_mtp = true;
+    return load_cpu_model(test::tiny_dir(Arch::deepseek_v32), {}, lo);
+  }();
+  return *m;
+}
+
+SpeculativeConfig mtp_config(int k = kK) {
+  SpeculativeConfig c;
+  c.method = "mtp";
+  c.num_speculative_tokens = k;
+  return c;
+}
+
+// What the MTP layer drafts for `tokens` computed from scratch: the target's hidden states of positions 0..L-2 in
+// one prompt pass, the MTP layer over all of them in a fresh cache, then chained on its own drafts.
+std::vector<int32_t> mtp_drafts_from_scratch(const Model& m, const std::vector<int32_t>& tokens, int k) {
+  const int64_t V = m.config().vocab_size, D = m.config().hidden_size, T = static_cast<int64_t>(tokens.size()) - 1;
+  SequenceState target = m.new_sequence();
+  std::vector<float> logits(static_cast<size_t>(T * V)), hidden(static_cast<size_t>(T * D));
+  m.forward(target, tokens.data(), T, logits.data(), false, 0, hidden.data());
+  SequenceState mtp = m.new_mtp_sequence();
+  std::vector<float> scale(static_cast<size_t>(T), 1.0f), out(static_cast<size_t>(T * D)), lg(static_cast<size_t>(V));
+  scale[0] = 0.0f;
+  m.mtp_forward(mtp, tokens.data() + 1, hidden.data(), scale.data(), T, lg.data(), out.data());
+  std::vector<int32_t> drafts;
+  std::vector<float> h(out.end() - D, out.end());
+  for (int j = 0; j < k; ++j) {
+    drafts.push_back(static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin()));
+    if (j + 1 == k) break;
+    const float one = 1.0f;
+    m.mtp_forward(mtp, &drafts.back(), h.data(), &one, 1, lg.data(), out.data());
+    h.assign(out.begin(), out.begin() + D);
+  }
+  return drafts;
+}
+
+// A drafter of the engine's (MTP, DSpark) with every proposal recorded (the tokens it drafted after, and the
+// drafts); with an oracle, the oracle's drafts are verified instead (rejections at every position in turn, full
+// acceptances too), while the drafter still follows every kept position: its rollback is exercised at every depth.
+class RecordingDrafter final : public Drafter {
+ public:
+  RecordingDrafter(std::unique_ptr<Drafter> inner, std::shared_ptr<Drafter> oracle = nullptr)
+      : inner_(std::move(inner)), oracle_(std::move(oracle)) {}
+  std::vector<int> hidden_layers() const override { return inner_->hidden_layers(); }
+  void observe(const Sequence& s, int64_t start, int64_t n, const float* hidden) override {
+    inner_->observe(s, start, n, hidden);
+  }
+  void release(const Sequence& s) override { inner_->release(s); }
+  void propose(Sequence& s, int max_tokens, int64_t vocab, Draft& out) override {
+    inner_->propose(s, max_tokens, vocab, out);
+    if (!out.tokens.empty()) records.push_back({s.tokens, out.tokens});
+    if (oracle_) oracle_->propose(s, max_tokens, vocab, out);
+  }
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> records;
+
+ private:
+  std::unique_ptr<Drafter> inner_;
+  std::shared_ptr<Drafter> oracle_;
+};
+
+// Greedy output with MTP drafts equals the output without speculation, over two rounds (prefix-cache hits: the MTP
+// cache then starts at the first computed position), and the drafts are the MTP layer's (random weights: nearly
+// every draft is rejected, at the first position or later).
+TEST(SpecMtp, GreedyEqualsGreedyWithoutSpeculation) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = 16;
+  cfg.max_num_batched_tokens = 256;
+  const Outputs plain = run_rounds(m, cfg, 24, test_prompts(), 1.0f);
+  EngineConfig sc = cfg;
+  sc.speculative = mtp_config();
+  const Outputs spec = run_rounds(m, sc, 24, test_prompts(), 1.0f);
+  expect_same(spec, plain);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  EXPECT_GT(spec.stats.spec.num_draft_tokens, spec.stats.spec.num_drafts);
+  EXPECT_GT(spec.stats.prefix.hit_tokens, 0);
+}
+
+// The same under preemption (SpecPressure's pool): recomputed positions roll the MTP cache back.
+TEST(SpecMtp, PreemptedRequestsFinishWithTheSameOutputs) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = 64;
+  cfg.num_rows = static_cast<int32_t>(plan_cache(m.cache_specs(), {.block_size = 64}).rows_per_request(256) + 2);
+  cfg.max_num_batched_tokens = 512;
+  std::vector<std::vector<int32_t>> prompts;
+  const std::vector<int> lengths = {60, 62, 120, 58, 126, 20};
+  for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(random_prompt(lengths[i], 20 + static_cast<uint32_t>(i)));
+  const Outputs plain = run_once(m, cfg, prompts, 30);
+  EngineConfig sc = cfg;
+  sc.speculative = mtp_config();
+  const Outputs spec = run_once(m, sc, prompts, 30);
+  EXPECT_GT(spec.stats.preemptions, 0);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  expect_same(spec, plain);
+}
+
+// Without prefix caching the MTP cache always starts at position 0, so each proposal must be what the MTP layer
+// drafts from scratch for the same tokens: the incremental cache (one position behind the target, chained positions
+// overwritten, rollback after rejections and preemption) changes no draft. Drafts of the real MTP layer are also
+// verified: greedy output unchanged.
+TEST(SpecMtpDrafts, IncrementalDraftsEqualDraftsFromScratch) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 128;
+  cfg.block_size = 16;
+  cfg.enable_prefix_caching = false;
+  cfg.max_num_batched_tokens = 64;
+  cfg.num_rows = static_cast<int32_t>(plan_cache(m.cache_specs(), {.block_size = 16}).rows_per_request(128) + 1);
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < 4; ++i) prompts.push_back(random_prompt(20 + 17 * static_cast<int>(i), 70 + i));
+  const Outputs plain = run_once(m, cfg, prompts, 16);
+  for (const bool oracle : {false, true}) {
+    EngineConfig sc = cfg;
+    sc.speculative = mtp_config();
+    auto rec = std::make_shared<RecordingDrafter>(std::make_unique<MtpDrafter>(m, *sc.speculative),
+                                                  oracle ? drafter_for(DrafterKind::oracle, plain) : nullptr);
+    sc.drafter = rec;
+    const Outputs spec = run_once(m, sc, prompts, 16);
+    expect_same(spec, plain);
+    EXPECT_GT(spec.stats.preemptions, 0);
+    if (oracle) expect_spec_counters(spec.stats, DrafterKind::oracle);  // accepted at every position, rejected too
+    ASSERT_GT(rec->records.size(), 20u);
+    for (const auto& [tokens, drafts] : rec->records)
+      EXPECT_EQ(drafts, mtp_drafts_from_scratch(m, tokens, static_cast<int>(drafts.size())))
+          << "after " << tokens.size() << " tokens";
+  }
+}
+
+TEST(SpecMtpDrafts, ModelsWithoutAnMtpLayerAndBadConfigsAreErrors) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& words) {
     try {
-      Engine e(m, cfg);
-      ADD_FAILURE() << method << " was accepted";
+      f();
+      ADD_FAILURE() << "no error; expected: " << words;
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("not built yet"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(method), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.speculative = mtp_config();
+  // kimi_k3 checkpoints have no MTP layer: loading it is refused, as is an engine over a model loaded without it.
+  LoadOptions lo;
+  lo.load_mtp = true;
+  expect_error([&] { load_cpu_model(test::tiny_dir(Arch::kimi_k3), {}, lo); },
+               "config.json's num_nextn_predict_layers is 0 (kimi_k3 checkpoints define none)");
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "num_nextn_predict_layers is 0");
+  expect_error([&] { Engine e(tiny_model(Arch::deepseek_v32), cfg); }, "loaded without its MTP layer");
+  EngineConfig c2 = cfg;
+  c2.speculative->model = "elsewhere";
+  expect_error([&] { Engine e(tiny_mtp_model(), c2); }, "'model' is not used by method 'mtp'");
+}
+
+// Seeded sampled requests with probabilistic MTP drafts repeat exactly (drafts drawn from each request's stream).
+TEST(SpecMtpDrafts, ProbabilisticDraftsRepeatWithASeed) {
+  const Model& m = tiny_mtp_model();
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.speculative = mtp_config();
+  cfg.speculative->draft_sample_method = "probabilistic";
+  auto run = [&] {
+    Engine e(m, cfg);
+    for (uint32_t i = 0; i < 3; ++i) {
+      SamplingParams p;
+      p.temperature = 1.0f;
+      p.top_p = 0.95f;
+      p.seed = 3 + i;
+      p.max_tokens = 20;
+      e.add_request(random_prompt(30, 60 + i), p);
+    }
+    std::vector<std::vector<int32_t>> out;
+    for (const RequestOutput& r : run_checked(e)) out.push_back(r.completions.at(0).token_ids);
+    return std::make_pair(out, e.stats().spec);
+  };
+  const auto [a, sa] = run();
+  const auto [b, sb] = run();
+  EXPECT_EQ(a, b);
+  EXPECT_GT(sa.num_drafts, 0);
+  EXPECT_EQ(sa.num_accepted_tokens, sb.num_accepted_tokens);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The dspark drafter: a make-model DSpark drafter over each tiny model's last layers.
+
+std::string tiny_dspark_dir(Arch arch) {
+  static test::TempDirs made;
+  static std::map<Arch, std::string> dirs;
+  auto& d = dirs[arch];
+  if (d.empty()) {
+    d = std::filesystem::temp_directory_path() /
+        ("kestrel_dspark_test_" + std::string(arch_name(arch)) + "_" + std::to_string(::getpid()));
+    write_dspark_drafter(d, test::tiny_dir(arch), 11, 4);
+    made.dirs.push_back(d);
+  }
+  return d;
+}
+
+SpeculativeConfig dspark_config(Arch arch, const std::string& sample = "greedy", int k = kK) {
+  SpeculativeConfig c;
+  c.method = "dspark";
+  c.model = tiny_dspark_dir(arch);
+  c.num_speculative_tokens = k;
+  c.draft_sample_method = sample;
+  return c;
+}
+
+class SpecDspark : public ::testing::TestWithParam<std::tuple<Arch, bool>> {};
+
+// Greedy output with DSpark drafts (greedy and probabilistic draft sampling) equals the output without speculation,
+// over two rounds (prefix-cache hits) and under preemption (SpecPressure's pool).
+TEST_P(SpecDspark, GreedyEqualsGreedyWithoutSpeculation) {
+  const auto [arch, chunked] = GetParam();
+  ModelOptions o;
+  o.kda_chunked_prefill = chunked;
+  const Model& m = tiny_model(arch, o);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = chunked ? 64 : 16;
+  cfg.max_num_batched_tokens = 256;
+  const Outputs plain = run_rounds(m, cfg, 24, test_prompts(), 1.0f);
+  for (const char* sample : {"greedy", "probabilistic"}) {
+    EngineConfig sc = cfg;
+    sc.speculative = dspark_config(arch, sample);
+    const Outputs spec = run_rounds(m, sc, 24, test_prompts(), 1.0f);
+    expect_same(spec, plain);
+    EXPECT_GT(spec.stats.spec.num_drafts, 0) << sample;
+    EXPECT_GT(spec.stats.spec.num_draft_tokens, spec.stats.spec.num_drafts) << sample;  // blocks of several drafts
+    EXPECT_GT(spec.stats.prefix.hit_tokens, 0);
+  }
+}
+
+TEST_P(SpecDspark, PreemptedRequestsFinishWithTheSameOutputs) {
+  const auto [arch, chunked] = GetParam();
+  ModelOptions o;
+  o.kda_chunked_prefill = chunked;
+  const Model& m = tiny_model(arch, o);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.block_size = 64;
+  cfg.num_rows = static_cast<int32_t>(plan_cache(m.cache_specs(), {.block_size = 64}).rows_per_request(256) + 2);
+  cfg.max_num_batched_tokens = 512;
+  std::vector<std::vector<int32_t>> prompts;
+  const std::vector<int> lengths = {60, 62, 120, 58, 126, 20};
+  for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(random_prompt(lengths[i], 20 + static_cast<uint32_t>(i)));
+  const Outputs plain = run_once(m, cfg, prompts, 30);
+  EngineConfig sc = cfg;
+  sc.speculative = dspark_config(arch);
+  const Outputs spec = run_once(m, sc, prompts, 30);
+  EXPECT_GT(spec.stats.preemptions, 0);
+  EXPECT_GT(spec.stats.spec.num_drafts, 0);
+  expect_same(spec, plain);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, SpecDspark,
+                         ::testing::Combine(::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(arch_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_chunked" : "_recurrent");
+                         });
+
+// Seeded sampled requests with probabilistic DSpark drafts repeat exactly (the drafts draw from each request's own
+// stream), and speculation accepted some of them.
+TEST(SpecDsparkSampling, SeededRunsRepeat) {
+  const Model& m = tiny_model(Arch::kimi_k3);
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  cfg.speculative = dspark_config(Arch::kimi_k3, "probabilistic");
+  auto run = [&] {
+    Engine e(m, cfg);
+    for (uint32_t i = 0; i < 3; ++i) {
+      SamplingParams p;
+      p.temperature = 1.0f;
+      p.top_p = 0.95f;
+      p.seed = 7 + i;
+      p.max_tokens = 20;
+      e.add_request(random_prompt(30, 80 + i), p);
+    }
+    std::vector<std::vector<int32_t>> out;
+    for (const RequestOutput& r : run_checked(e)) out.push_back(r.completions.at(0).token_ids);
+    return std::make_pair(out, e.stats().spec);
+  };
+  const auto [a, sa] = run();
+  const auto [b, sb] = run();
+  EXPECT_EQ(a, b);
+  EXPECT_GT(sa.num_drafts, 0);
+  EXPECT_EQ(sa.num_accepted_tokens, sb.num_accepted_tokens);
+}
+
+// The output distribution with probabilistic DSpark drafts: a drafter of the 6-token vocabulary, its blocks drawn
+// by dspark_draft (Markov head, q at temperature 1 and top-p 0.95, the request's stream), verified against the fixed
+// target table: the first two tokens' joint distribution passes the chi-square test.
+TEST(SpecDistribution, DsparkProbabilisticDraftsMatchTheTarget) {
+  DsparkConfig c;
+  c.vocab_size = kV;
+  c.hidden_size = 8;
+  c.intermediate_size = 16;
+  c.num_attention_heads = 2;
+  c.head_dim = 4;
+  c.block_size = 3;
+  c.markov_rank = 4;
+  c.target_layer_ids = {0};
+  c.noise_token_id = kV - 1;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto f32 = [&](int64_t rows, int64_t cols) {
+    TensorData t{DType::F32, {rows, cols}, std::vector<uint8_t>(static_cast<size_t>(rows * cols * 4))};
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float x = nd(rng);
+      std::memcpy(t.bytes.data() + 4 * i, &x, 4);
+    }
+    return t;
+  };
+  const std::string dir = std::filesystem::temp_directory_path() / ("kestrel_dspark_v6_" + std::to_string(::getpid()));
+  write_dspark_drafter(dir, c, f32(kV, 8), f32(kV, 8), 3);
+  const std::unique_ptr<DsparkModel> m = DsparkModel::load(dir);
+  std::filesystem::remove_all(dir);
+  std::vector<float> hidden(8);
+  for (float& x : hidden) x = nd(rng);
+  std::vector<std::vector<float>> k, v;
+  m->context(hidden.data(), 1, 0, k, v);
+  auto two_tokens = [&](uint64_t seed) {
+    SamplingParams sp;
+    sp.temperature = 1.0f;
+    sp.top_p = 0.95f;
+    sp.seed = seed;
+    sp.max_tokens = 100;
+    const std::vector<int32_t> prompt = {0};
+    Sampler sampler(sp, prompt);
+    std::vector<int32_t> out;
+    int32_t prev = 0;
+    std::vector<float> base(static_cast<size_t>(3 * kV));
+    Draft d;
+    while (out.size() < 2) {
+      const std::vector<int32_t> ids = {prev, kV - 1, kV - 1};
+      m->block_logits(ids.data(), 1 + static_cast<int64_t>(out.size()), k, v, 1, base.data());
+      dspark_draft(*m, base.data(), kV, prev, 3, true, sp, sampler, d);
+      EXPECT_EQ(d.probs.size(), static_cast<size_t>(3 * kV));
+      std::vector<float> logits;
+      int ctx = prev;
+      for (int i = 0; i <= 3; ++i) {
+        const std::vector<float> l = target_logits(ctx);
+        logits.insert(logits.end(), l.begin(), l.end());
+        if (i < 3) ctx = d.tokens[i];
+      }
+      const VerifyResult r = verify_draft(sampler, logits.data(), kV, d.tokens, d.probs, false);
+      out.insert(out.end(), r.tokens.begin(), r.tokens.end());
+      prev = out.back();
+    }
+    return std::make_pair(out[0], out[1]);
+  };
+  std::vector<int64_t> counts(kV * kV, 0);
+  for (int i = 0; i < kDraws; ++i) {
+    const auto [a, b] = two_tokens(5000 + static_cast<uint64_t>(i));
+    ++counts[a * kV + b];
+  }
+  const std::vector<double> p0 = target_probs(0, 0.95);
+  double chi = 0.0;
+  int cells = 0;
+  for (int a = 0; a < kV; ++a) {
+    const std::vector<double> p1 = target_probs(a, 0.95);
+    for (int b = 0; b < kV; ++b) {
+      const double e = kDraws * p0[a] * p1[b];
+      const double n = static_cast<double>(counts[a * kV + b]);
+      if (e == 0.0) {
+        EXPECT_EQ(n, 0.0) << "a token outside the target's top-p set: " << a << " " << b;
+        continue;
+      }
+      chi += (n - e) * (n - e) / e;
+      ++cells;
     }
   }
+  std::printf("DSpark chi-square %.2f, %d degrees of freedom, critical value at 0.001: %.2f\n", chi, cells - 1,
+              critical_001(cells - 1));
+  EXPECT_GE(cells - 1, 3);
+  EXPECT_LT(chi, critical_001(cells - 1));
+}
+
+// What the DSpark drafter drafts (greedy) for `tokens` from scratch: the target's hidden states of the drafter's
+// layers for positions 0..L-2 in one pass, the whole context, one block.
+std::vector<int32_t> dspark_drafts_from_scratch(const Model& m, const DsparkModel& d, const std::vector<int32_t>& tokens,
+                                                int k) {
+  const DsparkConfig& c = d.config();
+  const int64_t V = m.config().vocab_size, D = m.config().hidden_size, T = static_cast<int64_t>(tokens.size()) - 1;
+  const int64_t nL = static_cast<int64_t>(c.target_layer_ids.size());
+  SequenceState target = m.new_sequence();
+  std::vector<float> logits(static_cast<size_t>(T * V)), hidden(static_cast<size_t>(T * nL * D));
+  m.forward(target, tokens.data(), T, logits.data(), false, 0, hidden.data(), c.target_layer_ids);
+  std::vector<std::vector<float>> kc, vc;
+  d.context(hidden.data(), T, 0, kc, vc);
+  std::vector<int32_t> ids(static_cast<size_t>(c.block_size), c.noise_token_id);
+  ids[0] = tokens.back();
+  std::vector<float> base(static_cast<size_t>(c.block_size * V));
+  d.block_logits(ids.data(), T, kc, vc, T, base.data());
+  SamplingParams p;
+  Sampler unused(p, tokens);
+  Draft out;
+  dspark_draft(d, base.data(), V, tokens.back(), k, false, p, unused, out);
+  return out.tokens;
+}
+
+// Without prefix caching (and with KDA's recurrence everywhere, so that any split of a sequence gives the same
+// hidden states), each DSpark proposal is what the drafter drafts from scratch for the same tokens: its context
+// cache (extended by every step's kept positions, rolled back after rejections at every depth and after preemption)
+// changes no draft.
+class SpecDsparkDrafts : public ::testing::TestWithParam<Arch> {};
+
+TEST_P(SpecDsparkDrafts, IncrementalDraftsEqualDraftsFromScratch) {
+  const Arch arch = GetParam();
+  ModelOptions o;  // not chunked KDA prefill: a one-pass recomputation would give other bits
+  o.kda_chunked_prefill = false;
+  const Model& m = tiny_model(arch, o);
+  const std::unique_ptr<DsparkModel> d = DsparkModel::load(tiny_dspark_dir(arch));
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < 4; ++i) prompts.push_back(random_prompt(20 + 17 * static_cast<int>(i), 70 + i));
+  const CachePlan plan = plan_cache(m.cache_specs(), {.block_size = 16});
+  // A pool with room for the KDA state slots of full blocks of drafts (acceptance at every depth), and one too
+  // small for every sequence at once (preemption; drafts cut where slots are missing).
+  for (const bool tight : {false, true}) {
+    EngineConfig cfg;
+    cfg.max_model_len = 128;
+    cfg.block_size = 16;
+    cfg.enable_prefix_caching = false;
+    cfg.max_num_batched_tokens = 64;
+    cfg.num_rows = static_cast<int32_t>(plan.rows_per_request(128) +
+                                        (tight ? 1 : 4 * kK * plan.state_rows_per_request + 4));
+    const Outputs plain = run_once(m, cfg, prompts, 16);
+    EngineConfig sc = cfg;
+    sc.speculative = dspark_config(arch);
+    auto rec = std::make_shared<RecordingDrafter>(std::make_unique<DsparkDrafter>(m, *sc.speculative),
+                                                  drafter_for(DrafterKind::oracle, plain));
+    sc.drafter = rec;
+    const Outputs spec = run_once(m, sc, prompts, 16);
+    expect_same(spec, plain);
+    if (tight) EXPECT_GT(spec.stats.preemptions, 0);
+    else expect_spec_counters(spec.stats, DrafterKind::oracle);
+    ASSERT_GT(rec->records.size(), 20u);
+    for (const auto& [tokens, drafts] : rec->records)
+      EXPECT_EQ(drafts, dspark_drafts_from_scratch(m, *d, tokens, static_cast<int>(drafts.size())))
+          << "after " << tokens.size() << " tokens" << (tight ? " (tight pool)" : "");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, SpecDsparkDrafts, ::testing::Values(Arch::kimi_k3, Arch::kimi_linear, Arch::deepseek_v32),
+                         [](const auto& info) { return std::string(arch_name(info.param)); });
+
+TEST(SpecDsparkConfig, MismatchedDraftersAndBadConfigsAreErrorsNamingTheField) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& words) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected: " << words;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  EngineConfig cfg;
+  cfg.max_model_len = 256;
+  // A drafter made for kimi_k3's 6 layers (it reads layers 3..5) on deepseek_v32's 3.
+  cfg.speculative = dspark_config(Arch::kimi_k3);
+  expect_error([&] { Engine e(tiny_model(Arch::deepseek_v32), cfg); }, "'dspark_target_layer_ids' names layer 3");
+  // A vocabulary that is not the target's.
+  const std::string dir = std::filesystem::temp_directory_path() / ("kestrel_dspark_bad_" + std::to_string(::getpid()));
+  std::filesystem::copy(tiny_dspark_dir(Arch::kimi_k3), dir, std::filesystem::copy_options::recursive);
+  auto edit = [&](const std::function<void(nlohmann::json&)>& f) {
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(tiny_dspark_dir(Arch::kimi_k3) + "/config.json"));
+    f(j);
+    std::ofstream(dir + "/config.json") << j.dump();
+  };
+  cfg.speculative->model = dir;
+  edit([](nlohmann::json& j) {
+    j["vocab_size"] = 4000;
+    j["dspark_noise_token_id"] = 0;
+  });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "'vocab_size' 4000 does not match the target's vocabulary of 4096");
+  edit([](nlohmann::json& j) { j.erase("dspark_markov_rank"); });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "missing field 'dspark_markov_rank'");
+  edit([](nlohmann::json& j) { j["model_type"] = "kimi_k3"; });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "field 'model_type' must be \"dspark\"");
+  edit([](nlohmann::json& j) { j["dspark_noise_token_id"] = 5000; });
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "'dspark_noise_token_id' 5000 is outside the vocabulary");
+  std::filesystem::remove_all(dir);
+  cfg.speculative = dspark_config(Arch::kimi_k3, "greedy", 5);
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); },
+               "'num_speculative_tokens' 5 is beyond the DSpark drafter's dspark_block_size 4");
+  cfg.speculative = dspark_config(Arch::kimi_k3);
+  cfg.speculative->model = "";
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "method 'dspark' needs 'model'");
+  cfg.speculative->model = "/nonexistent/drafter";
+  expect_error([&] { Engine e(tiny_model(Arch::kimi_k3), cfg); }, "cannot open /nonexistent/drafter/config.json");
 }
 
 }  // namespace

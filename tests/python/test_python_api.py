@@ -45,8 +45,8 @@ def models(tmp_path_factory):
     out = {}
     for arch in ("kimi_k3", "kimi_linear", "deepseek_v32"):
         d = tmp_path_factory.mktemp(arch)
-        subprocess.run([kestrel_bin(), "make-model", "--arch", arch, "--preset", "tiny", "--out", str(d)],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run([kestrel_bin(), "make-model", "--arch", arch, "--preset", "tiny", "--out", str(d),
+                        "--dspark-out", str(d) + "_dspark"], check=True, capture_output=True, timeout=120)
         out[arch] = str(d)
     return out
 
@@ -205,8 +205,34 @@ def test_speculative_config_errors_name_the_field(kestrel, models):
         kestrel.LLM(models["kimi_k3"], speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="method"):
         kestrel.LLM(models["kimi_k3"], speculative_config={"method": "eagle9", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="method 'dspark' needs 'model'"):
         kestrel.LLM(models["kimi_k3"], speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
+        kestrel.LLM(models["kimi_k3"], speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'dspark_target_layer_ids' names layer 3"):
+        kestrel.LLM(models["deepseek_v32"], speculative_config={"method": "dspark", "num_speculative_tokens": 2,
+                                                                "model": models["kimi_k3"] + "_dspark"})
+
+
+@pytest.mark.parametrize("arch, method", [("kimi_k3", "dspark"), ("kimi_linear", "dspark"), ("deepseek_v32", "dspark"),
+                                          ("deepseek_v32", "mtp")])
+def test_model_drafters_greedy_equals_plain(kestrel, models, arch, method):
+    """LLM(speculative_config=...) with make-model's DSpark drafter and DeepSeek-V3.2's own MTP layer: greedy
+    tokens and log-probabilities equal the run without speculation bit for bit; drafts were made."""
+    prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [9, 10, 11, 9, 10, 11, 9]}]
+    params = kestrel.SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+    cfg = {"method": method, "num_speculative_tokens": 3}
+    if method == "dspark":
+        cfg.update(model=models[arch] + "_dspark", draft_sample_method="probabilistic")
+    plain = kestrel.LLM(models[arch], max_model_len=128)
+    spec = kestrel.LLM(models[arch], max_model_len=128, speculative_config=cfg)
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert {t: bits(v.logprob) for t, v in lw.items()} == {t: bits(v.logprob) for t, v in lg.items()}
+    st = spec.stats()
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_draft_tokens"] > st["spec_decode_num_drafts"]
 
 
 # ---------------------------------------------------------------- LoRA

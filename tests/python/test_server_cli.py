@@ -26,7 +26,8 @@ def test_quick_start_commands_are_understood_and_refused_on_the_cpu(tiny_dir):  
         r = run(tiny_dir, args)
         assert r.returncode == 1
         assert "--tensor-parallel-size 8" in r.stderr and "needs 8 GPUs" in r.stderr
-        assert "--speculative-config" in r.stderr and "dspark" in r.stderr and "not built" in r.stderr
+        # The DSpark drafter is built (test_server_quickstart.py serves the command with a make-model drafter).
+        assert "not built" not in r.stderr
         assert "not expected" not in r.stderr  # CLI11's wording for unknown arguments
 
 
