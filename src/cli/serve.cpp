@@ -237,7 +237,6 @@ Runner add_serve(CLI::App& app) {
   cmd->add_option("--max-num-seqs", e.max_num_seqs, "sequences running at once")->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens, "token budget of a step")
       ->capture_default_str();
-  e.max_itl_factor = 2.0;  // serving keeps running streams' inter-token latency by default (docs/serving.md)
   add_step_budget_flags(*cmd, e);
   cmd->add_option("--gpu-memory-utilization", a->gpu_memory_utilization, "GPU memory fraction (GPU only)");
   cmd->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "bytes of the cache pool")
