@@ -40,7 +40,8 @@ import cfn_corpus as cc
 import grammar_parity as gp
 import test_server_harness as h
 from test_grammar_parity import as_anyof, deviation_ok, show
-from test_grammar_parity_xgr_corpus import SELF_INCONSISTENT, Engines, _fail_or_skip, self_check, walk_text
+from test_grammar_parity_xgr_corpus import (PATTERN_LENGTH, SELF_INCONSISTENT, Engines, _fail_or_skip,
+                                           has_pattern_with_length, self_check, walk_text)
 from test_server_harness import tiny_dir  # noqa: F401 (fixture)
 
 EOS = h.EOS
@@ -52,19 +53,8 @@ DATE_TIME_T = ("format date-time: Kestrel's RFC 3339 regex takes a lowercase 't'
 OBJECT_ANY = ("an object schema with no object keywords is any object: xgrammar reads "
               "{\"type\": [\"object\", \"string\"], \"format\": \"json\"} (cfn-lint's JSON-valued properties) as the "
               "empty object or a string (docs/structured-output.md)")
-PATTERN_LENGTH = ("'pattern' with 'minLength'/'maxLength': Kestrel restricts the pattern to the length bound, "
-                  "xgrammar ignores the bound (Kestrel's mask is the smaller one; docs/structured-output.md)")
 XGR_MASK = ("xgrammar's mask leaves out a token its own matcher accepts, Kestrel's mask has it (the masks differ "
             "nowhere else)")
-
-
-def has_pattern_with_length(v):
-    """Whether some schema in v has a 'pattern' beside 'minLength' or 'maxLength'."""
-    if isinstance(v, dict):
-        if "pattern" in v and ("minLength" in v or "maxLength" in v):
-            return True
-        return any(has_pattern_with_length(x) for x in v.values())
-    return isinstance(v, list) and any(has_pattern_with_length(x) for x in v)
 
 
 def documented_difference(why, spec):
