@@ -373,6 +373,110 @@ class SchemaConverter {
     return it->get<int64_t>();
   }
 
+  // The lengths in code points of the strings `e` matches: {min, max} (max -1: unbounded), or nullopt where `e`
+  // is not made of code points alone (raw bytes, special tokens, rules). A regex over a JSON string's body matches
+  // no escapes, so this is the length of the decoded string that JSON Schema's minLength/maxLength count.
+  std::optional<std::pair<int64_t, int64_t>> length_range(ExprId id) const {
+    const Expr& e = g_.expr(id);
+    switch (e.kind) {
+      case Expr::Kind::empty: return std::pair<int64_t, int64_t>{0, 0};
+      case Expr::Kind::bytes: {
+        int64_t n = 0;
+        for (unsigned char c : e.text) n += (c & 0xC0) != 0x80;
+        return std::pair<int64_t, int64_t>{n, n};
+      }
+      case Expr::Kind::chars: return std::pair<int64_t, int64_t>{1, 1};
+      case Expr::Kind::seq: {
+        std::pair<int64_t, int64_t> r{0, 0};
+        for (ExprId c : e.children) {
+          const auto x = length_range(c);
+          if (!x) return std::nullopt;
+          r.first += x->first;
+          r.second = r.second < 0 || x->second < 0 ? -1 : r.second + x->second;
+        }
+        return r;
+      }
+      case Expr::Kind::alt: {
+        std::optional<std::pair<int64_t, int64_t>> r;
+        for (ExprId c : e.children) {
+          const auto x = length_range(c);
+          if (!x) return std::nullopt;
+          if (!r) r = x;
+          else r = std::pair<int64_t, int64_t>{std::min(r->first, x->first),
+                                               r->second < 0 || x->second < 0 ? -1 : std::max(r->second, x->second)};
+        }
+        return r;
+      }
+      case Expr::Kind::repeat: {
+        const auto x = length_range(e.children[0]);
+        if (!x) return std::nullopt;
+        const int64_t hi = x->second == 0 ? 0 : (e.max < 0 || x->second < 0 ? -1 : e.max * x->second);
+        return std::pair<int64_t, int64_t>{e.min * x->first, hi};
+      }
+      default: return std::nullopt;
+    }
+  }
+  static bool within(const std::pair<int64_t, int64_t>& r, int64_t lo, int64_t hi) {
+    return r.first >= lo && (hi < 0 || (r.second >= 0 && r.second <= hi));
+  }
+  // `e` restricted to the strings of lo..hi code points (hi -1: unbounded), exactly: -1 where none is left,
+  // nullopt where the restriction is not one this handles (the caller refuses). Exact cases: the bound is implied;
+  // an alternation (restricted alternative by alternative, the empty ones dropped); a sequence of fixed-length parts
+  // and one repetition of a fixed-width part, whose count range is narrowed to the lengths allowed.
+  std::optional<ExprId> with_length(ExprId id, int64_t lo, int64_t hi) {
+    const auto r = length_range(id);
+    if (!r) return std::nullopt;
+    if (within(*r, lo, hi)) return id;
+    if (r->second >= 0 && (r->second < lo || (hi >= 0 && r->first > hi))) return ExprId{-1};
+    const Expr e = g_.expr(id);  // a copy: g_ grows below
+    if (e.kind == Expr::Kind::alt) {
+      std::vector<ExprId> alts;
+      for (ExprId c : e.children) {
+        const auto x = with_length(c, lo, hi);
+        if (!x) return std::nullopt;
+        if (*x >= 0) alts.push_back(*x);
+      }
+      if (alts.empty()) return ExprId{-1};
+      return alts.size() == 1 ? alts[0] : g_.alt(std::move(alts));
+    }
+    std::vector<ExprId> parts;  // the sequence's parts, nested sequences flattened
+    std::vector<ExprId> todo = {id};
+    while (!todo.empty()) {
+      const ExprId x = todo.back();
+      todo.pop_back();
+      if (g_.expr(x).kind == Expr::Kind::seq) todo.insert(todo.end(), g_.expr(x).children.rbegin(), g_.expr(x).children.rend());
+      else parts.push_back(x);
+    }
+    int64_t fixed = 0, var = -1;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const auto x = length_range(parts[i]);
+      if (x->first == x->second) {
+        fixed += x->first;
+        continue;
+      }
+      if (var >= 0) return std::nullopt;  // two variable parts
+      const Expr& p = g_.expr(parts[i]);
+      if (p.kind != Expr::Kind::repeat) return std::nullopt;
+      const auto w = length_range(p.children[0]);
+      if (w->first != w->second || w->first == 0) return std::nullopt;
+      var = static_cast<int64_t>(i);
+    }
+    if (var < 0) return std::nullopt;  // fixed length outside the bound: handled above
+    const Expr p = g_.expr(parts[static_cast<size_t>(var)]);
+    const int64_t w = length_range(p.children[0])->first;
+    // fixed + w*k within [lo, hi], k within [p.min, p.max].
+    int64_t kmin = std::max<int64_t>(p.min, lo > fixed ? (lo - fixed + w - 1) / w : 0);
+    int64_t kmax = p.max;
+    if (hi >= 0) {
+      if (hi < fixed) return ExprId{-1};
+      const int64_t k = (hi - fixed) / w;
+      kmax = kmax < 0 ? k : std::min(kmax, k);
+    }
+    if (kmax >= 0 && kmax < kmin) return ExprId{-1};
+    parts[static_cast<size_t>(var)] = g_.repeat(p.children[0], kmin, kmax);
+    return parts.size() == 1 ? parts[0] : g_.seq(std::move(parts));
+  }
+
   ExprId string_schema(const Json& s, const std::string& path) {
     const int64_t min_len = count(s, "minLength", path), max_len = count(s, "maxLength", path);
     const bool lengths = min_len >= 0 || max_len >= 0;
@@ -383,13 +487,25 @@ class SchemaConverter {
                                            kStandardFormatsRefused.count(fit->get<std::string>()));
     if (const auto it = s.find("pattern"); it != s.end()) {
       if (!it->is_string()) error(path, "'pattern' must be a string");
-      if (lengths) error(path, "'pattern' together with 'minLength'/'maxLength' is not supported");
       if (format) error(path, "'pattern' together with 'format' is not supported");
+      ExprId body = -1;
       try {
-        return g_.seq({g_.bytes("\""), regex_expr(g_, it->get<std::string>(), {.json_string_body = true}), g_.bytes("\"")});
+        body = regex_expr(g_, it->get<std::string>(), {.json_string_body = true});
       } catch (const Error& e) {
         error(path + "/pattern", "{}", e.what());
       }
+      if (lengths) {
+        const int64_t lo = std::max<int64_t>(min_len, 0);
+        if (max_len >= 0 && max_len < lo) error(path, "'maxLength' {} is below 'minLength' {}", max_len, lo);
+        const auto bounded = with_length(body, lo, max_len);
+        if (!bounded)
+          error(path, "'pattern' together with 'minLength'/'maxLength' is supported where the bound is implied by "
+                "the pattern or falls on one repetition of fixed-width parts (each alternative a sequence of "
+                "fixed-length parts and at most one repeated fixed-width part); write the bound into the pattern");
+        if (*bounded < 0) error(path, "no string matches 'pattern' within 'minLength'/'maxLength'");
+        body = *bounded;
+      }
+      return g_.seq({g_.bytes("\""), body, g_.bytes("\"")});
     }
     if (format) {
       const auto f = kFormats.find(fit->get<std::string>());

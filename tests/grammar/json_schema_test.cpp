@@ -113,5 +113,44 @@ TEST(JsonSchema, FormatsJsonSchemaDoesNotDefineAreAnnotations) {
             std::string::npos);
 }
 
+// `pattern` with minLength/maxLength: the pattern's language restricted to the bound, counted in characters of the
+// decoded string.
+TEST(JsonSchemaKeywords, PatternWithLengthBounds) {
+  // One repetition: its count narrowed (here 2..4 letters after the fixed 'x').
+  const Schema one(R"({"type": "string", "pattern": "^x[a-z]*$", "minLength": 3, "maxLength": 5})");
+  EXPECT_FALSE(one.accepts(R"("xa")"));
+  EXPECT_TRUE(one.accepts(R"("xab")"));
+  EXPECT_TRUE(one.accepts(R"("xabcd")"));
+  EXPECT_FALSE(one.accepts(R"("xabcde")"));
+  EXPECT_FALSE(one.accepts(R"("xAbc")"));
+  // A repeated part two characters wide: lengths 1 + 2k within 2..6, so k is 1 or 2.
+  const Schema wide(R"({"type": "string", "pattern": "^a(bc)*$", "minLength": 2, "maxLength": 6})");
+  EXPECT_FALSE(wide.accepts(R"("a")"));
+  EXPECT_TRUE(wide.accepts(R"("abc")"));
+  EXPECT_TRUE(wide.accepts(R"("abcbc")"));
+  EXPECT_FALSE(wide.accepts(R"("abcbcbc")"));
+  // Alternatives are restricted one by one; one that cannot meet the bound is dropped.
+  const Schema alts(R"({"type": "string", "pattern": "^(ab|[0-9]+)$", "minLength": 3})");
+  EXPECT_FALSE(alts.accepts(R"("ab")"));
+  EXPECT_FALSE(alts.accepts(R"("12")"));
+  EXPECT_TRUE(alts.accepts(R"("123")"));
+  // A bound the pattern implies changes nothing; multi-byte characters count once.
+  const Schema implied(R"({"type": "string", "pattern": "^[0-9]{12}$", "maxLength": 64})");
+  EXPECT_TRUE(implied.accepts(R"("123456789012")"));
+  EXPECT_FALSE(implied.accepts(R"("12345678901")"));
+  const Schema utf8(R"({"type": "string", "pattern": "^.*$", "maxLength": 2})");
+  EXPECT_TRUE(utf8.accepts("\"\xC3\xA9\xC3\xA9\""));
+  EXPECT_FALSE(utf8.accepts("\"\xC3\xA9\xC3\xA9\xC3\xA9\""));
+  // Refused: two repeated parts, a bound no string of the pattern meets, a reversed bound.
+  EXPECT_NE(refusal(R"({"type": "string", "pattern": "^[a-z]+-[a-z]+$", "maxLength": 8})")
+                .find("'pattern' together with 'minLength'/'maxLength' is supported where"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"type": "string", "pattern": "^[0-9]{12}$", "maxLength": 5})").find("no string matches"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"type": "string", "pattern": "^a*$", "minLength": 4, "maxLength": 2})")
+                .find("'maxLength' 2 is below 'minLength' 4"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace kestrel::grammar
