@@ -208,6 +208,35 @@ void Model::load_mtp(WeightLoader& w) {
   mtp_ = std::move(m);
 }
 
+namespace {
+
+// One sequence in a pool of its own (SequenceState): state rows 0..S-1, then its token rows in order.
+struct SequenceTables {
+  std::vector<int32_t> block_table, state_rows;
+  std::vector<int64_t> slots;
+};
+
+// Grows the sequence's rows to hold T more tokens and gives the step's tables.
+SequenceTables sequence_tables(SequenceState& seq, const CachePlan& plan, int64_t T) {
+  const int64_t B = plan.block_size, S = plan.state_rows_per_request;
+  const int64_t blocks = plan.token_rows_for(seq.num_tokens + T);
+  if (seq.rows.size() < static_cast<size_t>((S + blocks) * plan.row_bytes))
+    seq.rows.resize(static_cast<size_t>((S + blocks) * plan.row_bytes), 0);
+  SequenceTables t;
+  t.block_table.resize(static_cast<size_t>(blocks));
+  t.state_rows.resize(static_cast<size_t>(S));
+  for (int64_t j = 0; j < blocks; ++j) t.block_table[j] = static_cast<int32_t>(S + j);
+  for (int64_t r = 0; r < S; ++r) t.state_rows[r] = static_cast<int32_t>(r);
+  t.slots.resize(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t p = seq.num_tokens + i;
+    t.slots[i] = (S + p / B) * B + p % B;
+  }
+  return t;
+}
+
+}  // namespace
+
 SequenceState Model::new_mtp_sequence() const {
   KESTREL_CHECK(mtp_.has_value(), "the model was loaded without its MTP layer");
   SequenceState s;
@@ -221,22 +250,13 @@ void Model::mtp_forward(SequenceState& seq, const int32_t* ids, const float* hid
   KESTREL_CHECK(T > 0, "mtp_forward needs at least one position");
   const MtpWeights& m = *mtp_;
   const CachePlan& plan = mtp_plan_;
-  const int64_t B = plan.block_size, S = plan.state_rows_per_request, end = seq.num_tokens + T;
-  const int64_t D = cfg_.hidden_size, blocks = plan.token_rows_for(end);
+  const int64_t end = seq.num_tokens + T, D = cfg_.hidden_size;
   for (int64_t t = 0; t < T; ++t)
     KESTREL_CHECK(ids[t] >= 0 && ids[t] < cfg_.vocab_size, "token id {} is outside the vocabulary (0..{})", ids[t],
                   cfg_.vocab_size - 1);
-  if (seq.rows.size() < static_cast<size_t>((S + blocks) * plan.row_bytes))
-    seq.rows.resize(static_cast<size_t>((S + blocks) * plan.row_bytes), 0);
-  std::vector<int32_t> block_table(blocks), state_rows(S);
-  for (int64_t j = 0; j < blocks; ++j) block_table[j] = static_cast<int32_t>(S + j);
-  for (int64_t r = 0; r < S; ++r) state_rows[r] = static_cast<int32_t>(r);
-  std::vector<int64_t> slots(T);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t p = seq.num_tokens + t;
-    slots[t] = (S + p / B) * B + p % B;
-  }
-  const SequenceStep step{std::span(ids, T), seq.num_tokens, false, block_table, slots, state_rows, {}, T - 1, 0};
+  const SequenceTables tab = sequence_tables(seq, plan, T);
+  const SequenceStep step{std::span(ids, T), seq.num_tokens, false, tab.block_table, tab.slots, tab.state_rows, {},
+                          T - 1, 0};
   std::vector<float> in(static_cast<size_t>(T * 2 * D), 0.0f);
   for (int64_t t = 0; t < T; ++t) std::copy_n(hidden + t * D, D, in.data() + (t * 2 + 1) * D);
   const float eps = cfg_.rms_norm_eps;
@@ -344,18 +364,9 @@ void Model::forward(SequenceState& seq, const int32_t* ids, int64_t T, float* lo
                     int32_t lora, float* hidden, std::span<const int> layers) const {
   KESTREL_CHECK(T > 0, "forward needs at least one token");
   const CachePlan& plan = sequence_plan_;
-  const int64_t B = plan.block_size, S = plan.state_rows_per_request, end = seq.num_tokens + T;
-  const int64_t blocks = plan.token_rows_for(end);
-  seq.rows.resize(static_cast<size_t>((S + blocks) * plan.row_bytes), 0);
-  std::vector<int32_t> block_table(blocks), state_rows(S);
-  for (int64_t j = 0; j < blocks; ++j) block_table[j] = static_cast<int32_t>(S + j);
-  for (int64_t r = 0; r < S; ++r) state_rows[r] = static_cast<int32_t>(r);
-  std::vector<int64_t> slots(T);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t p = seq.num_tokens + t;
-    slots[t] = (S + p / B) * B + p % B;
-  }
-  const SequenceStep step{std::span(ids, T), seq.num_tokens, T > 1, block_table, slots, state_rows, {},
+  const int64_t end = seq.num_tokens + T;
+  const SequenceTables tab = sequence_tables(seq, plan, T);
+  const SequenceStep step{std::span(ids, T), seq.num_tokens, T > 1, tab.block_table, tab.slots, tab.state_rows, {},
                           last_only ? T - 1 : 0, lora};
   forward(StepBatch{seq.rows.data(), &plan, std::span(&step, 1)}, logits, hidden, layers);
   seq.num_tokens = end;
